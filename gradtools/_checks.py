@@ -1,0 +1,91 @@
+"""Eager argument checks shared by every transform.
+
+Each check raises a ``ValueError`` (or ``TypeError`` for a wrong kind of
+object) that names the argument, shows its value and says what was expected.
+Traced values, as ``optax.inject_hyperparams`` passes them, are not checked:
+their value is unknown when the transform is built.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+__all__ = [
+    "finite_positive",
+    "in_open_interval",
+    "is_bool",
+    "is_transform",
+    "one_of",
+    "positive_int",
+]
+
+
+def _traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        try:
+            value = float(value)  # numpy and jax scalars
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}={value!r} must be a real number") from None
+    return float(value)
+
+
+def finite_positive(name: str, value: Any) -> None:
+    """Checks ``0 < value < inf``."""
+    if _traced(value):
+        return
+    v = _real(name, value)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
+    """Checks ``low < value < high``."""
+    if _traced(value):
+        return
+    v = _real(name, value)
+    if not low < v < high:
+        raise ValueError(f"{name}={value!r} must lie strictly between {low} and {high}")
+
+
+def positive_int(name: str, value: Any) -> None:
+    """Checks that ``value`` is an integer >= 1 (not a bool, not a float)."""
+    if _traced(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not (np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer)):
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if int(value) < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def is_bool(name: str, value: Any) -> None:
+    """Checks that ``value`` is a Python or NumPy bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Checks that ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {choices}")
+
+
+def is_transform(name: str, value: Any) -> None:
+    """Checks that ``value`` is an ``optax.GradientTransformation``."""
+    if not isinstance(value, optax.GradientTransformation):
+        raise TypeError(
+            f"{name}={value!r} must be an optax.GradientTransformation, "
+            "e.g. optax.adam(1e-3)"
+        )

@@ -1,0 +1,353 @@
+"""Loss scaling for fp16 and bf16 training, as wrappers around an optimizer.
+
+Small gradients underflow in float16 (anything below 2**-24 becomes zero).
+Multiplying the loss by a scale ``S`` multiplies every gradient by ``S`` and
+lifts them into range; the wrapper divides by ``S`` again before the optimizer
+sees them. When the scaled gradients overflow (inf or NaN), the step is skipped:
+the optimizer state, and so its step count and any schedule it drives, stay as
+they were, and the update is exactly zero.
+
+The training loop needs two calls::
+
+    tx = gradtools.dynamic_loss_scale(optax.adam(1e-3))
+    grads = jax.grad(lambda p: gradtools.scale_loss(loss_fn(p, batch), opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+
+``gradtools.train_step`` does both for you.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from gradtools import _checks, _tree
+
+__all__ = [
+    "LossScaleState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "fixed_loss_scale",
+    "loss_scale",
+    "scale_loss",
+]
+
+
+class LossScaleState(NamedTuple):
+    """State of :func:`dynamic_loss_scale` and :func:`fixed_loss_scale`.
+
+    Attributes:
+      loss_scale: the scale the next loss is multiplied by.
+      good_steps: consecutive finite steps since the last growth or overflow.
+      skipped_steps: how many steps had non-finite gradients (all of them
+        skipped, unless ``fixed_loss_scale(skip_nonfinite=False)``).
+      finite: whether the gradients of the last update were all finite.
+      inner_state: the state of the wrapped transformation.
+    """
+
+    loss_scale: jax.Array  # shape=(), dtype=float32
+    good_steps: jax.Array  # shape=(), dtype=int32
+    skipped_steps: jax.Array  # shape=(), dtype=int32
+    finite: jax.Array  # shape=(), dtype=bool
+    inner_state: optax.OptState
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of ``tree`` is finite.
+
+    Args:
+      tree: a pytree of arrays; ``None`` leaves and empty trees are allowed.
+
+    Returns:
+      A scalar bool array, ``True`` for an empty tree.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bool(gradtools.all_finite({'a': jnp.ones(3), 'b': jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
+_Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _loss_scaler(
+    inner: optax.GradientTransformation,
+    init_scale: Any,
+    adjust: _Adjust,
+    skip_nonfinite: bool,
+    axis_name: Hashable | None,
+) -> optax.GradientTransformationExtraArgs:
+    """The wrapper both loss scalers share; ``adjust`` is the scale rule."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return LossScaleState(
+            loss_scale=jnp.asarray(init_scale, jnp.float32),
+            good_steps=jnp.zeros([], jnp.int32),
+            skipped_steps=jnp.zeros([], jnp.int32),
+            finite=jnp.ones([], jnp.bool_),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        grads = _tree.scale_f32(updates, 1.0 / state.loss_scale, params)
+        finite = all_finite(grads)
+        if axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+        def apply(_):
+            return inner.update(grads, state.inner_state, params, **extra_args)
+
+        if skip_nonfinite:
+
+            def skip(_):
+                new_updates = jax.eval_shape(apply, None)[0]
+                return _tree.zeros_like_shapes(new_updates), state.inner_state
+
+            new_updates, inner_state = lax.cond(finite, apply, skip, None)
+        else:
+            new_updates, inner_state = apply(None)
+
+        scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
+        skipped = jnp.where(
+            finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+        )
+        new_state = LossScaleState(
+            loss_scale=scale.astype(jnp.float32),
+            good_steps=good_steps.astype(jnp.int32),
+            skipped_steps=skipped,
+            finite=finite,
+            inner_state=inner_state,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dynamic_loss_scale(
+    inner: optax.GradientTransformation,
+    *,
+    init_scale: float = 2.0**15,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` with a loss scale that grows while steps are clean.
+
+    Each ``update(grads, state, params)`` does::
+
+      g = grads * (1 / scale)                 # float32; cast to params' dtypes
+      finite = all(isfinite(g))               # agreed over axis_name, if given
+      if finite:
+        updates, inner_state = inner.update(g, inner_state, params)
+        good_steps += 1
+        if good_steps == growth_interval:
+          scale = min(scale * growth_factor, max_scale); good_steps = 0
+      else:                                   # the step is skipped
+        updates = zeros; inner_state unchanged
+        scale = max(scale * backoff_factor, min_scale); good_steps = 0
+        skipped_steps += 1
+
+    The branch is a ``lax.cond``, so a skipped step does no optimizer work.
+    ``grads`` are the gradients of ``scale_loss(loss, opt_state)``.
+
+    Args:
+      inner: the optimizer (any ``optax.GradientTransformation``) to protect.
+      init_scale: the first scale. PyTorch's ``GradScaler`` starts at 2**16 and
+        MindSpore's ``DynamicLossScaleManager`` at 2**24; 2**15 is the largest
+        power of two that fp16 itself can hold.
+      growth_factor: multiplies the scale after ``growth_interval`` finite steps
+        in a row; > 1.
+      backoff_factor: multiplies the scale after an overflow; in (0, 1).
+      growth_interval: consecutive finite steps before the scale grows; an int
+        >= 1 (MindSpore's ``scale_window``).
+      min_scale: the floor of the scale; finite, > 0, <= ``init_scale``.
+      max_scale: the cap of the scale; finite, >= ``init_scale``.
+      axis_name: under ``shard_map`` or ``pmap``, the mapped axis over which
+        devices agree whether the step is finite, so all take the same branch.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`LossScaleState`; extra keyword arguments go to ``inner``.
+
+    Raises:
+      TypeError: if ``inner`` is not a GradientTransformation.
+      ValueError: if ``init_scale``, ``min_scale`` or ``max_scale`` is not
+        finite and positive, ``growth_factor <= 1``, ``backoff_factor`` is
+        outside (0, 1), ``growth_interval`` is not an int >= 1,
+        ``min_scale > init_scale`` or ``max_scale < init_scale``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> tx = gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+      >>> params = {'w': jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({'w': jnp.array([8.0, jnp.inf])}, state, params)
+      >>> updates['w'], gradtools.loss_scale(state)
+      (Array([0., 0.], dtype=float32), Array(4., dtype=float32))
+
+    References:
+      Micikevicius et al., `Mixed Precision Training
+      <https://arxiv.org/abs/1710.03740>`_, 2018. Matches
+      ``torch.amp.GradScaler`` and MindSpore's ``DynamicLossScaleManager``
+      with ``TrainOneStepWithLossScaleCell``.
+    """
+    _checks.is_transform("inner", inner)
+    _checks.finite_positive("init_scale", init_scale)
+    _checks.finite_positive("growth_factor", growth_factor)
+    _checks.finite_positive("min_scale", min_scale)
+    _checks.finite_positive("max_scale", max_scale)
+    _checks.in_open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
+    _checks.positive_int("growth_interval", growth_interval)
+    concrete = not any(
+        isinstance(v, jax.core.Tracer) for v in (init_scale, growth_factor, min_scale, max_scale)
+    )
+    if concrete:
+        if float(growth_factor) <= 1:
+            raise ValueError(f"{growth_factor=} must be > 1")
+        if float(min_scale) > float(init_scale):
+            raise ValueError(f"{min_scale=} must be <= {init_scale=}")
+        if float(max_scale) < float(init_scale):
+            raise ValueError(f"{max_scale=} must be >= {init_scale=}")
+
+    def adjust(scale, good_steps, finite):
+        good_steps = optax.safe_increment(good_steps)
+        grow = good_steps >= growth_interval
+        grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
+        backed_off = jnp.maximum(scale * backoff_factor, min_scale)
+        scale = jnp.where(finite, grown, backed_off)
+        good_steps = jnp.where(finite & ~grow, good_steps, 0)
+        return scale, good_steps
+
+    return _loss_scaler(inner, init_scale, adjust, True, axis_name)
+
+
+def fixed_loss_scale(
+    inner: optax.GradientTransformation,
+    scale: float = 2.0**10,
+    *,
+    skip_nonfinite: bool = True,
+    axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` with a loss scale that never changes.
+
+    Each ``update(grads, state, params)`` divides ``grads`` by ``scale`` in
+    float32 (cast to the params' dtypes), then runs ``inner``. With
+    ``skip_nonfinite=True`` a step with non-finite gradients is skipped exactly
+    as in :func:`dynamic_loss_scale` (zero update, inner state unchanged); with
+    ``False`` it is always applied, non-finite values included. Either way the
+    non-finite step is counted in ``skipped_steps``.
+
+    Args:
+      inner: the optimizer (any ``optax.GradientTransformation``).
+      scale: the loss scale; finite and > 0.
+      skip_nonfinite: skip steps whose gradients are not all finite. ``False``
+        is MindSpore's ``FixedLossScaleManager(drop_overflow_update=False)``,
+        without the optimizer having to know the scale.
+      axis_name: under ``shard_map`` or ``pmap``, the mapped axis over which
+        devices agree whether the step is finite.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`LossScaleState`.
+
+    Raises:
+      TypeError: if ``inner`` is not a GradientTransformation.
+      ValueError: if ``scale`` is not finite and positive, or
+        ``skip_nonfinite`` is not a bool.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = gradtools.fixed_loss_scale(optax.sgd(1.0), 128.0)
+      >>> params = {'w': jnp.zeros(2)}
+      >>> updates, state = tx.update({'w': jnp.array([128.0, 256.0])}, tx.init(params), params)
+      >>> updates['w']
+      Array([-1., -2.], dtype=float32)
+
+    References:
+      MindSpore ``FixedLossScaleManager``; ``torch.amp.GradScaler`` with
+      ``growth_interval`` set beyond the run's length.
+    """
+    _checks.is_transform("inner", inner)
+    _checks.finite_positive("scale", scale)
+    _checks.is_bool("skip_nonfinite", skip_nonfinite)
+
+    def adjust(scale, good_steps, finite):
+        return scale, jnp.where(finite, optax.safe_increment(good_steps), 0)
+
+    return _loss_scaler(inner, scale, adjust, skip_nonfinite, axis_name)
+
+
+def _find_state(opt_state: optax.OptState, caller: str) -> LossScaleState:
+    found = optax.tree.get_all_with_path(opt_state, "LossScaleState")
+    if not found:
+        raise ValueError(
+            f"{caller}: opt_state holds no LossScaleState. Wrap the optimizer, e.g. "
+            "tx = gradtools.dynamic_loss_scale(optax.adam(1e-3)), and pass the "
+            "state from tx.init(params)."
+        )
+    if len(found) > 1:
+        paths = [jax.tree_util.keystr(path) for path, _ in found]
+        raise ValueError(f"{caller}: opt_state holds several LossScaleStates, at {paths}")
+    return found[0][1]
+
+
+def loss_scale(opt_state: optax.OptState) -> jax.Array:
+    """The current loss scale held anywhere in ``opt_state``.
+
+    Args:
+      opt_state: the state of a transformation that contains one
+        :func:`dynamic_loss_scale` or :func:`fixed_loss_scale`, at any depth.
+
+    Returns:
+      A float32 scalar.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no loss-scale state, or several.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = optax.chain(optax.identity(), gradtools.fixed_loss_scale(optax.sgd(0.1), 512.0))
+      >>> gradtools.loss_scale(tx.init({'w': jnp.zeros(3)}))
+      Array(512., dtype=float32)
+    """
+    return _find_state(opt_state, "loss_scale").loss_scale
+
+
+def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
+    """Multiplies ``loss`` by the current loss scale found in ``opt_state``.
+
+    Differentiate the result, not ``loss``: the gradients come out scaled, and
+    the loss-scale wrapper unscales them. The product keeps ``loss``'s dtype.
+
+    Args:
+      loss: a scalar loss (any float dtype).
+      opt_state: the state of a transformation that contains a loss scaler.
+
+    Returns:
+      ``loss * scale``.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no loss-scale state, or several.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> state = gradtools.dynamic_loss_scale(optax.sgd(0.1)).init({'w': jnp.zeros(3)})
+      >>> gradtools.scale_loss(jnp.float32(0.5), state)
+      Array(16384., dtype=float32)
+    """
+    loss = jnp.asarray(loss)
+    return loss * _find_state(opt_state, "scale_loss").loss_scale.astype(loss.dtype)

@@ -1,0 +1,72 @@
+"""Diagnostics read out of any optimizer state.
+
+Every gradtools transform keeps what a training loop wants to log (the loss
+scale, skipped steps, the gradient norm, the position in an accumulation
+window) in a uniquely named NamedTuple state. :func:`metrics` finds those
+states at any depth of an ``opt_state`` (inside ``optax.chain``,
+``optax.inject_hyperparams``, parameter groups, other wrappers) and returns the
+values as a flat dict, ready to log or to return from a jitted step.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+__all__ = ["metrics"]
+
+# (metric key, state class name, field): the first state of that class found in
+# the tree supplies the metric.
+_SOURCES = (
+    ("loss_scale", "LossScaleState", "loss_scale"),
+    ("skipped_steps", "LossScaleState", "skipped_steps"),
+    ("finite", "LossScaleState", "finite"),
+    ("grad_norm", "ClipByGlobalNormState", "grad_norm"),
+    ("micro_step", "AccumulateState", "micro_step"),
+)
+_HYPERPARAM_STATES = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
+
+
+def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
+    """Collects the diagnostics of every gradtools transform in ``opt_state``.
+
+    Keys are present only when the matching transform is:
+
+    ============== =================================================== =======
+    key            from                                                dtype
+    ============== =================================================== =======
+    loss_scale     ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
+    skipped_steps  the same: non-finite steps so far                   int32
+    finite         the same: whether the last step was finite          bool
+    grad_norm      ``clip_by_global_norm``: the norm before clipping   float32
+    micro_step     ``accumulate``: micro-batches in the open window    int32
+    learning_rate  ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
+    ============== =================================================== =======
+
+    When a transform occurs more than once, the first state found in tree
+    order is reported.
+
+    Args:
+      opt_state: any optax optimizer state.
+
+    Returns:
+      A dict of scalar arrays (empty when no gradtools state is present). It
+      can be returned from a jitted function.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))
+      >>> m = gradtools.metrics(tx.init({'w': jnp.zeros(2)}))
+      >>> sorted(m), float(m['loss_scale'])
+      (['finite', 'loss_scale', 'skipped_steps'], 32768.0)
+    """
+    out: dict[str, jax.Array] = {}
+    for key, cls, field in _SOURCES:
+        found = optax.tree.get_all_with_path(opt_state, cls)
+        if found:
+            out[key] = getattr(found[0][1], field)
+    for cls in _HYPERPARAM_STATES:
+        for _, state in optax.tree.get_all_with_path(opt_state, cls):
+            if "learning_rate" in state.hyperparams and "learning_rate" not in out:
+                out["learning_rate"] = state.hyperparams["learning_rate"]
+    return out
