@@ -1,0 +1,122 @@
+"""Update cost: the jitted ``update`` + ``apply_updates`` step of each case, donated.
+
+For every (size, leaves) configuration and every group, the group's cases and
+a triad over the same arrays run interleaved. The triad (``a + 0.5 * b``,
+``a`` donated: two reads and one write per parameter) measures the bandwidth
+this run gets; a case that must move ``w`` words per parameter is bounded
+below by ``w / 3`` triads.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from benchmarks import _timing, _xla
+from benchmarks.cases import Case, param_shapes, random_tree, update_cases
+
+__all__ = ["run_update"]
+
+
+class _Runner:
+    """One case's carry, kept on the device between calls, and its executable."""
+
+    def __init__(self, case: Case, shapes: Any, grads: Any, seed: int):
+        pattern = case.make()
+        self.carry = pattern.init(random_tree(shapes, seed))
+        self.compiled = _xla.compile_step(pattern.step, self.carry, grads)
+        self.grads = grads
+        self()  # warm up: first call, allocations
+
+    def __call__(self) -> None:
+        self.carry = self.compiled.executable(self.carry, self.grads)
+        jax.block_until_ready(self.carry)
+
+
+def _groups(cases: Sequence[Case]) -> list[str]:
+    seen: list[str] = []
+    for c in cases:
+        for g in c.groups:
+            if g != "*" and g not in seen:
+                seen.append(g)
+    return seen
+
+
+def run_update(
+    sizes: Sequence[int],
+    leaves: Sequence[int],
+    reps: int,
+    *,
+    groups: Sequence[str] | None = None,
+    select_max_leaves: int = 200,
+    sample_s: float = 0.05,
+    log: Callable[[str], None] = print,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Times every case; returns one row per (size, leaves, group, case) and notes."""
+    cases = update_cases()
+    triad = cases[0]
+    notes: list[str] = []
+    rows: list[dict[str, Any]] = []
+    for n_params in sizes:
+        for n_leaves in leaves:
+            shapes = param_shapes(n_params, n_leaves)
+            grads = random_tree(shapes, seed=0)
+            for group in groups or _groups(cases):
+                members = [triad]
+                for c in cases:
+                    if group not in c.groups:
+                        continue
+                    if c.select_tree and n_leaves > select_max_leaves:
+                        note = (
+                            f"{c.name}: not timed at {n_leaves} leaves (its compile time grows "
+                            f"quadratically; see the compile-time table)"
+                        )
+                        if note not in notes:
+                            notes.append(note)
+                        continue
+                    members.append(c)
+                log(f"update {n_params:,} params x {n_leaves} leaves, {group}: compiling")
+                runners = {c.name: _Runner(c, shapes, grads, seed=i + 1) for i, c in enumerate(members)}
+                calls = {k: _timing.calibrate(r, sample_s) for k, r in runners.items()}
+                log(f"  timing {reps} interleaved rounds of {len(members)} cases")
+                stats = _timing.interleave(runners, reps, calls)
+                t_triad = stats[triad.name].median
+                for c in members:
+                    s, r = stats[c.name], runners[c.name]
+                    copies, copy_bytes = _xla.hlo_copies(r.compiled.executable, n_params // n_leaves)
+                    bound = c.words / triad.words * t_triad
+                    base = stats.get(c.baseline) if c.baseline else None
+                    rows.append(
+                        {
+                            "params": n_params,
+                            "leaves": n_leaves,
+                            "group": group,
+                            "case": c.name,
+                            **s.as_dict(),
+                            "reps": reps,
+                            "calls_per_sample": calls[c.name],
+                            "words": c.words,
+                            "traffic": c.traffic,
+                            "bound_s": bound,
+                            "x_bound": s.median / bound,
+                            "baseline": c.baseline if base else None,
+                            "x_baseline": s.median / base.median if base else None,
+                            "bandwidth_gbs": 4 * triad.words * n_params / t_triad / 1e9,
+                            "xla_words": r.compiled.bytes_accessed() / (4 * n_params),
+                            "copies": copies,
+                            "copy_words": copy_bytes / (4 * n_params),
+                            "compile_s": r.compiled.total_s,
+                        }
+                    )
+                    log(
+                        f"  {c.name:58s} {s.median * 1e3:9.2f} ms "
+                        f"[{s.min * 1e3:.2f}-{s.max * 1e3:.2f}]  x bound {s.median / bound:5.2f}"
+                    )
+                del runners
+                gc.collect()
+            del grads
+            gc.collect()
+    return rows, notes
