@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["scale_f32", "zeros_like_shapes"]
+__all__ = ["distinct_scalars", "scale_f32", "zeros_like_shapes"]
 
 
 def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
@@ -31,3 +31,19 @@ def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
 def zeros_like_shapes(shapes: Any) -> Any:
     """Zeros for a pytree of arrays or ``jax.ShapeDtypeStruct``s."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def distinct_scalars(value: jax.Array, n: int) -> list[jax.Array]:
+    """``n`` float32 copies of a scalar that XLA cannot merge back into one.
+
+    XLA merges the ``broadcast(scalar)`` of every leaf with the same shape into
+    one instruction; XLA:CPU then writes it out as a parameter-sized array and
+    reads it in every fusion that multiplies by the scalar, and will not fuse
+    the product into a reduction. One scalar per leaf, each a slice of a
+    vector behind ``lax.optimization_barrier``, keeps every broadcast inside
+    its own fusion. The values are exactly ``value``.
+    """
+    if n == 0:
+        return []
+    vector = jax.lax.optimization_barrier(jnp.full((n,), value, jnp.float32))
+    return [vector[i] for i in range(n)]
