@@ -71,5 +71,10 @@ def interleave(
 
 
 def ratio(a: Stats, b: Stats) -> float:
-    """``a``'s median over ``b``'s: the ratio the report quotes."""
-    return a.median / b.median
+    """The median over rounds of ``a / b`` within each round: the ratio the report quotes.
+
+    Both cases ran in the same round, seconds apart, so a load change on the
+    machine between rounds scales both; the per-round ratio cancels it where a
+    ratio of the two medians would not.
+    """
+    return statistics.median(x / y for x, y in zip(a.samples, b.samples))

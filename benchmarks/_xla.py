@@ -89,5 +89,8 @@ def _itemsize(hlo_dtype: str) -> int:
 def nbytes(tree: Any) -> int:
     """Bytes of every array (or ShapeDtypeStruct) leaf of ``tree``."""
     return int(
-        sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+        sum(
+            np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
     )

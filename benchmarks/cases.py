@@ -89,9 +89,7 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float) -> j
 def random_tree(shapes: dict[str, Any], seed: int, std: float = 1e-3) -> dict[str, jax.Array]:
     """Normal(0, std) arrays of the given shapes, made on the device."""
     keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return {
-        k: _normal(key, s.shape, s.dtype, std) for key, (k, s) in zip(keys, shapes.items())
-    }
+    return {k: _normal(key, s.shape, s.dtype, std) for key, (k, s) in zip(keys, shapes.items())}
 
 
 def from_tx(tx: optax.GradientTransformation) -> Callable[[], Pattern]:

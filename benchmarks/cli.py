@@ -32,12 +32,14 @@ class Config:
     sizes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20)
     leaves: tuple[int, ...] = (8, 1000)
     groups: tuple[str, ...] | None = None
+    match: str | None = None
     reps: int = 7
     sample_s: float = 0.05
     compile_leaves: tuple[int, ...] = (8, 100, 200, 1000)
     compile_reps: int = 1
     compile_params: int = 1 << 20
     select_max_leaves: int = 200
+    compile_budget_s: float = 300.0
     memory_params: int = 16 << 20
     memory_leaves: int = 8
     lenet_batch: int = 256
@@ -99,6 +101,7 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
             config.leaves,
             config.reps,
             groups=config.groups,
+            match=config.match,
             select_max_leaves=config.select_max_leaves,
             sample_s=config.sample_s,
             log=log,
@@ -111,14 +114,18 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
             config.compile_leaves,
             config.compile_reps,
             n_params=config.compile_params,
+            match=config.match,
             select_max_leaves=config.select_max_leaves,
+            budget_s=config.compile_budget_s,
             log=log,
         )
         results["notes"] += notes
     if "memory" in config.sections:
         from benchmarks.memory import run_memory
 
-        results["memory"] = run_memory(config.memory_params, config.memory_leaves, log=log)
+        results["memory"] = run_memory(
+            config.memory_params, config.memory_leaves, match=config.match, log=log
+        )
     if "lenet" in config.sections:
         from benchmarks.lenet import run_lenet
 
@@ -153,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sizes", help="param counts for the update section, e.g. 1M,16M,64M")
     p.add_argument("--leaves", help="leaf counts for the update section, e.g. 8,1000")
     p.add_argument("--groups", help="update groups: clip,loss_scale,accumulate (default all)")
+    p.add_argument("--match", help="only the cases whose name matches this regex (and the triad)")
     p.add_argument("--reps", type=int, help="interleaved rounds per group")
     p.add_argument("--compile-leaves", help="leaf counts for the compile section")
     p.add_argument("--compile-reps", type=int, help="rounds per leaf count (compile)")
@@ -161,9 +169,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         type=int,
         help="the jmp/flax select-whole-tree patterns are left out above this many leaves",
     )
+    p.add_argument(
+        "--compile-budget",
+        type=float,
+        help="skip a case at a leaf count where its growth predicts more seconds than this",
+    )
     p.add_argument("--memory-size", help="params for the memory section, e.g. 16M")
     p.add_argument("--lenet-batch", type=int, help="LeNet batch size")
-    p.add_argument("--out", help=f"write the Markdown report here (default {RESULTS} unless --quick)")
+    p.add_argument(
+        "--out", help=f"write the Markdown report here (default {RESULTS} unless --quick)"
+    )
     p.add_argument("--json", help="also write every row as JSON here")
     args = p.parse_args(argv)
 
@@ -177,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["leaves"] = _counts(args.leaves)
     if args.groups:
         changes["groups"] = tuple(g.strip() for g in args.groups.split(","))
+    if args.match:
+        changes["match"] = args.match
     if args.reps:
         changes["reps"] = changes["lenet_reps"] = args.reps
     if args.compile_leaves:
@@ -185,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["compile_reps"] = args.compile_reps
     if args.select_max_leaves is not None:
         changes["select_max_leaves"] = args.select_max_leaves
+    if args.compile_budget:
+        changes["compile_budget_s"] = args.compile_budget
     if args.memory_size:
         changes["memory_params"] = parse_count(args.memory_size)
     if args.lenet_batch:

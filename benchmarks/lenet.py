@@ -34,7 +34,9 @@ def _jax_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], lis
     except ImportError:
         return {}, ["gradtools.demo is not in this build: the JAX LeNet rows are skipped"]
 
-    def variant(dtype: Any, tx: optax.GradientTransformation) -> Callable[[int], Callable[[], None]]:
+    def variant(
+        dtype: Any, tx: optax.GradientTransformation
+    ) -> Callable[[int], Callable[[], None]]:
         def build(batch: int) -> Callable[[], None]:
             model = LeNet5(dtype=dtype)
             rng = np.random.default_rng(0)
@@ -149,7 +151,7 @@ def run_lenet(
                 "reps": reps,
                 "images_per_s": batch / s.median,
                 "baseline": ref,
-                "x_baseline": stats[ref].median / s.median if ref else None,
+                "x_baseline": _timing.ratio(stats[ref], s) if ref else None,
             }
         )
         log(f"  {name:50s} {batch / s.median:10.0f} images/s")

@@ -7,6 +7,7 @@ Nothing is allocated: the state's size comes from ``jax.eval_shape`` of
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,14 +20,18 @@ __all__ = ["run_memory"]
 
 
 def run_memory(
-    n_params: int, n_leaves: int, *, log: Callable[[str], None] = print
+    n_params: int,
+    n_leaves: int,
+    *,
+    match: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """One row per case: state bytes, state / params, peak and temporary bytes."""
     shapes = param_shapes(n_params, n_leaves)
     param_bytes = _xla.nbytes(shapes)
     rows = []
     for c in update_cases():
-        if "*" in c.groups:
+        if "*" in c.groups or (match and not re.search(match, c.name)):
             continue
         pattern = c.make()
         carry = jax.eval_shape(pattern.init, shapes)

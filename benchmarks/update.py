@@ -4,12 +4,17 @@ For every (size, leaves) configuration and every group, the group's cases and
 a triad over the same arrays run interleaved. The triad (``a + 0.5 * b``,
 ``a`` donated: two reads and one write per parameter) measures the bandwidth
 this run gets; a case that must move ``w`` words per parameter is bounded
-below by ``w / 3`` triads.
+below by ``w / 3`` triads. Ratios are medians of per-round ratios
+(:func:`benchmarks._timing.ratio`). Each row also carries XLA's own account of
+the step (bytes accessed, temporary bytes, ``copy`` instructions) and the page
+faults of one call: XLA:CPU maps large temporaries afresh on every call.
 """
 
 from __future__ import annotations
 
 import gc
+import re
+import resource
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +40,12 @@ class _Runner:
         self.carry = self.compiled.executable(self.carry, self.grads)
         jax.block_until_ready(self.carry)
 
+    def page_faults(self) -> float:
+        """Minor page faults of one call (first touches of freshly mapped memory)."""
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self()
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
 
 def _groups(cases: Sequence[Case]) -> list[str]:
     seen: list[str] = []
@@ -51,6 +62,7 @@ def run_update(
     reps: int,
     *,
     groups: Sequence[str] | None = None,
+    match: str | None = None,
     select_max_leaves: int = 200,
     sample_s: float = 0.05,
     log: Callable[[str], None] = print,
@@ -58,6 +70,8 @@ def run_update(
     """Times every case; returns one row per (size, leaves, group, case) and notes."""
     cases = update_cases()
     triad = cases[0]
+    if match:
+        cases = [triad] + [c for c in cases[1:] if re.search(match, c.name)]
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for n_params in sizes:
@@ -78,16 +92,22 @@ def run_update(
                             notes.append(note)
                         continue
                     members.append(c)
+                if len(members) == 1:
+                    continue
                 log(f"update {n_params:,} params x {n_leaves} leaves, {group}: compiling")
-                runners = {c.name: _Runner(c, shapes, grads, seed=i + 1) for i, c in enumerate(members)}
+                runners = {
+                    c.name: _Runner(c, shapes, grads, seed=i + 1) for i, c in enumerate(members)
+                }
                 calls = {k: _timing.calibrate(r, sample_s) for k, r in runners.items()}
                 log(f"  timing {reps} interleaved rounds of {len(members)} cases")
                 stats = _timing.interleave(runners, reps, calls)
-                t_triad = stats[triad.name].median
+                t_triad = stats[triad.name]
                 for c in members:
                     s, r = stats[c.name], runners[c.name]
-                    copies, copy_bytes = _xla.hlo_copies(r.compiled.executable, n_params // n_leaves)
-                    bound = c.words / triad.words * t_triad
+                    copies, copy_bytes = _xla.hlo_copies(
+                        r.compiled.executable, n_params // n_leaves
+                    )
+                    x_bound = _timing.ratio(s, t_triad) * triad.words / c.words
                     base = stats.get(c.baseline) if c.baseline else None
                     rows.append(
                         {
@@ -96,16 +116,19 @@ def run_update(
                             "group": group,
                             "case": c.name,
                             **s.as_dict(),
+                            "samples_s": list(s.samples),
                             "reps": reps,
                             "calls_per_sample": calls[c.name],
                             "words": c.words,
                             "traffic": c.traffic,
-                            "bound_s": bound,
-                            "x_bound": s.median / bound,
+                            "bound_s": c.words / triad.words * t_triad.median,
+                            "x_bound": x_bound,
                             "baseline": c.baseline if base else None,
-                            "x_baseline": s.median / base.median if base else None,
-                            "bandwidth_gbs": 4 * triad.words * n_params / t_triad / 1e9,
+                            "x_baseline": _timing.ratio(s, base) if base else None,
+                            "bandwidth_gbs": 4 * triad.words * n_params / t_triad.median / 1e9,
                             "xla_words": r.compiled.bytes_accessed() / (4 * n_params),
+                            "temp_bytes": r.compiled.temp_bytes(),
+                            "page_faults": r.page_faults(),
                             "copies": copies,
                             "copy_words": copy_bytes / (4 * n_params),
                             "compile_s": r.compiled.total_s,
@@ -113,7 +136,7 @@ def run_update(
                     )
                     log(
                         f"  {c.name:58s} {s.median * 1e3:9.2f} ms "
-                        f"[{s.min * 1e3:.2f}-{s.max * 1e3:.2f}]  x bound {s.median / bound:5.2f}"
+                        f"[{s.min * 1e3:.2f}-{s.max * 1e3:.2f}]  x bound {x_bound:5.2f}"
                     )
                 del runners
                 gc.collect()
