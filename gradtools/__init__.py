@@ -1,6 +1,9 @@
 """gradtools: training-loop gradient plumbing for JAX, as Optax transforms."""
 
 from gradtools._version import __version__
+from gradtools.clipping import ClipByGlobalNormState
+from gradtools.clipping import clip_by_global_norm
+from gradtools.clipping import global_norm
 from gradtools.loss_scale import LossScaleState
 from gradtools.loss_scale import all_finite
 from gradtools.loss_scale import dynamic_loss_scale
@@ -11,11 +14,14 @@ from gradtools.metrics import metrics
 from gradtools.training import train_step
 
 __all__ = [
+    "ClipByGlobalNormState",
     "LossScaleState",
     "__version__",
     "all_finite",
+    "clip_by_global_norm",
     "dynamic_loss_scale",
     "fixed_loss_scale",
+    "global_norm",
     "loss_scale",
     "metrics",
     "scale_loss",

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 import optax
 
@@ -21,13 +22,15 @@ __all__ = [
     "finite_positive",
     "in_open_interval",
     "is_bool",
+    "is_traced",
     "is_transform",
     "one_of",
     "positive_int",
 ]
 
 
-def _traced(value: Any) -> bool:
+def is_traced(value: Any) -> bool:
+    """Whether ``value`` is a tracer (its value is unknown until run time)."""
     return isinstance(value, jax.core.Tracer)
 
 
@@ -42,7 +45,7 @@ def _real(name: str, value: Any) -> float:
 
 def finite_positive(name: str, value: Any) -> None:
     """Checks ``0 < value < inf``."""
-    if _traced(value):
+    if is_traced(value):
         return
     v = _real(name, value)
     if not (math.isfinite(v) and v > 0):
@@ -51,7 +54,7 @@ def finite_positive(name: str, value: Any) -> None:
 
 def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
     """Checks ``low < value < high``."""
-    if _traced(value):
+    if is_traced(value):
         return
     v = _real(name, value)
     if not low < v < high:
@@ -60,7 +63,7 @@ def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
 
 def positive_int(name: str, value: Any) -> None:
     """Checks that ``value`` is an integer >= 1 (not a bool, not a float)."""
-    if _traced(value):
+    if is_traced(value):
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if not (np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer)):
@@ -86,6 +89,6 @@ def is_transform(name: str, value: Any) -> None:
     """Checks that ``value`` is an ``optax.GradientTransformation``."""
     if not isinstance(value, optax.GradientTransformation):
         raise TypeError(
-            f"{name}={value!r} must be an optax.GradientTransformation, "
-            "e.g. optax.adam(1e-3)"
+            f"{name}={value!r} must be an optax.GradientTransformation, e.g. optax.adam(1e-3)"
         )
+
