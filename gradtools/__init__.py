@@ -1,6 +1,8 @@
 """gradtools: training-loop gradient plumbing for JAX, as Optax transforms."""
 
 from gradtools._version import __version__
+from gradtools.accumulate import AccumulateState
+from gradtools.accumulate import accumulate
 from gradtools.clipping import ClipByGlobalNormState
 from gradtools.clipping import clip_by_global_norm
 from gradtools.clipping import global_norm
@@ -14,9 +16,11 @@ from gradtools.metrics import metrics
 from gradtools.training import train_step
 
 __all__ = [
+    "AccumulateState",
     "ClipByGlobalNormState",
     "LossScaleState",
     "__version__",
+    "accumulate",
     "all_finite",
     "clip_by_global_norm",
     "dynamic_loss_scale",

@@ -15,11 +15,13 @@ from typing import Any
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 __all__ = [
     "finite_positive",
+    "float_dtype",
     "in_open_interval",
     "is_bool",
     "is_traced",
@@ -92,3 +94,12 @@ def is_transform(name: str, value: Any) -> None:
             f"{name}={value!r} must be an optax.GradientTransformation, e.g. optax.adam(1e-3)"
         )
 
+
+def float_dtype(name: str, value: Any) -> None:
+    """Checks that ``value`` names a floating-point dtype."""
+    try:
+        dtype = None if value is None else np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name}={value!r} must be a floating dtype, e.g. jnp.float32")
