@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["Stats", "calibrate", "interleave", "ratio"]

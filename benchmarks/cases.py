@@ -10,8 +10,11 @@ traffic), from which the report derives a bandwidth bound.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import jax
@@ -26,6 +29,7 @@ __all__ = [
     "MICRO_K",
     "Pattern",
     "available",
+    "installed",
     "from_tx",
     "param_shapes",
     "random_tree",
@@ -62,7 +66,7 @@ class Case:
 
     name: str
     groups: tuple[str, ...]
-    words: int
+    words: float
     traffic: str
     make: Callable[[], Pattern]
     baseline: str | None = None
@@ -193,6 +197,11 @@ def _triad() -> Pattern:
     return Pattern(lambda params: (params,), step)
 
 
+def installed(module: str) -> bool:
+    """Whether an optional counterpart (jmp, flax) can be imported."""
+    return importlib.util.find_spec(module) is not None
+
+
 def available(name: str) -> bool:
     """Whether this gradtools build has the public name (features land one by one)."""
     return hasattr(gradtools, name)
@@ -218,7 +227,9 @@ def update_cases() -> list[Case]:
     T = "triad"
     cases = [
         Case(T, ("*",), 3, "read a, b; write a", lambda: _triad()),
-        Case("optax.adam", ("clip",), 7, "read g, p, m, v; write p, m, v", from_tx(_adam())),
+        Case(
+            "optax.adam", ("clip", "groups"), 7, "read g, p, m, v; write p, m, v", from_tx(_adam())
+        ),
         Case(
             "optax.clip+adam",
             ("clip", "loss_scale"),
@@ -259,27 +270,35 @@ def update_cases() -> list[Case]:
             from_tx(gradtools.dynamic_loss_scale(inner())),
             baseline="optax.apply_if_finite(optax.clip+adam)",
         ),
-        Case(
-            f"jmp.DynamicLossScale+select_tree({inner_name})",
-            ("loss_scale",),
-            9,
-            ls,
-            _jmp_select(inner()),
-            select_tree=True,
-        ),
-        Case(
-            f"flax DynamicScale+where({inner_name})",
-            ("loss_scale",),
-            9,
-            ls,
-            _flax_select(inner()),
-            select_tree=True,
-        ),
+    ]
+    if installed("jmp"):
+        cases.append(
+            Case(
+                f"jmp.DynamicLossScale+select_tree({inner_name})",
+                ("loss_scale",),
+                9,
+                ls,
+                _jmp_select(inner()),
+                select_tree=True,
+            )
+        )
+    if installed("flax"):
+        cases.append(
+            Case(
+                f"flax DynamicScale+where({inner_name})",
+                ("loss_scale",),
+                9,
+                ls,
+                _flax_select(inner()),
+                select_tree=True,
+            )
+        )
+    cases += [
         Case(
             "optax.MultiSteps(adam) micro-step",
             ("accumulate",),
-            3,
-            "read g, acc; write acc",
+            6,
+            ACC_TRAFFIC,
             from_tx(optax.MultiSteps(_adam(), MICRO_K).gradient_transformation()),
         ),
     ]
@@ -289,10 +308,61 @@ def update_cases() -> list[Case]:
             Case(
                 "gradtools.accumulate(adam) micro-step",
                 ("accumulate",),
-                3,
-                "read g, acc; write acc",
+                6,
+                ACC_TRAFFIC,
                 from_tx(acc(_adam(), MICRO_K)),
                 baseline="optax.MultiSteps(adam) micro-step",
             )
         )
+    if available("freeze"):
+        cases += _group_cases()
     return cases
+
+
+ACC_TRAFFIC = "buffer: read g, acc; write acc (3); apply_updates of zeros: read p, u; write p (3)"
+
+#: Half of the leaves (the even-numbered ones), by name.
+_HALF = r"w\d*[02468]$"
+
+
+def _group_cases() -> list[Case]:
+    """freeze and param_groups against optax.multi_transform, half the leaves each way."""
+
+    def labels(params):
+        return {k: ("b" if re.search(_HALF, k) else "a") for k in params}
+
+    sgd = optax.sgd(1e-2, momentum=0.9)
+    frozen_traffic = "trained half: adam 7; frozen half: apply_updates of zeros 0 to 3"
+    split_traffic = "adam half: 7; sgd-momentum half: read g, p, m; write p, m (5)"
+    return [
+        Case(
+            "optax.multi_transform(adam, set_to_zero)",
+            ("groups",),
+            3.5,
+            frozen_traffic,
+            from_tx(optax.multi_transform({"a": _adam(), "b": optax.set_to_zero()}, labels)),
+        ),
+        Case(
+            "gradtools.freeze(adam, half)",
+            ("groups",),
+            3.5,
+            frozen_traffic,
+            from_tx(gradtools.freeze(_adam(), _HALF)),  # pyright: ignore
+            baseline="optax.multi_transform(adam, set_to_zero)",
+        ),
+        Case(
+            "optax.multi_transform(adam, sgd)",
+            ("groups",),
+            6,
+            split_traffic,
+            from_tx(optax.multi_transform({"a": _adam(), "b": sgd}, labels)),
+        ),
+        Case(
+            "gradtools.param_groups(adam, sgd)",
+            ("groups",),
+            6,
+            split_traffic,
+            from_tx(gradtools.param_groups([(_HALF, sgd)], default=_adam())),  # pyright: ignore
+            baseline="optax.multi_transform(adam, sgd)",
+        ),
+    ]

@@ -11,7 +11,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,11 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
         from benchmarks.lenet import run_lenet
 
         results["lenet"], notes = run_lenet(
-            config.lenet_batch, config.lenet_reps, sample_s=0.0 if config.quick else 0.2, log=log
+            config.lenet_batch,
+            config.lenet_reps,
+            match=config.match,
+            sample_s=0.0 if config.quick else 0.2,
+            log=log,
         )
         results["notes"] += notes
     load1 = os.getloadavg()

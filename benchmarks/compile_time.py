@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from benchmarks import _xla
-from benchmarks.cases import param_shapes, update_cases
+from benchmarks.cases import param_shapes
+from benchmarks.cases import update_cases
 
 __all__ = ["run_compile"]
 

@@ -11,6 +11,8 @@ a note.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +128,7 @@ def run_lenet(
     batch: int,
     reps: int,
     *,
+    match: str | None = None,
     sample_s: float = 0.2,
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -133,11 +136,16 @@ def run_lenet(
     jax_v, notes = _jax_variants()
     torch_v, torch_notes = _torch_variants()
     builders = {**jax_v, **torch_v}
+    if match:
+        builders = {k: v for k, v in builders.items() if re.search(match, k)}
     notes += torch_notes
     if not builders:
         return [], notes
     log(f"lenet batch {batch}: building {len(builders)} variants")
-    runners = {name: build(batch) for name, build in builders.items()}
+    with warnings.catch_warnings():
+        # Scalar counters in the state may find no output to alias; that is expected.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        runners = {name: build(batch) for name, build in builders.items()}
     calls = {k: _timing.calibrate(r, sample_s) for k, r in runners.items()}
     stats = _timing.interleave(runners, reps, calls)
     ref = next((k for k in stats if k.startswith("PyTorch") and "fp32" in k), None)

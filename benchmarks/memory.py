@@ -14,7 +14,8 @@ from typing import Any
 import jax
 
 from benchmarks import _xla
-from benchmarks.cases import param_shapes, update_cases
+from benchmarks.cases import param_shapes
+from benchmarks.cases import update_cases
 
 __all__ = ["run_memory"]
 

@@ -15,13 +15,18 @@ from __future__ import annotations
 import gc
 import re
 import resource
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from benchmarks import _timing, _xla
-from benchmarks.cases import Case, param_shapes, random_tree, update_cases
+from benchmarks import _timing
+from benchmarks import _xla
+from benchmarks.cases import Case
+from benchmarks.cases import param_shapes
+from benchmarks.cases import random_tree
+from benchmarks.cases import update_cases
 
 __all__ = ["run_update"]
 
