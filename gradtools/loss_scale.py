@@ -133,7 +133,7 @@ def _loss_scaler(
         # finiteness reduction and inside inner's own fusions (one scalar per leaf,
         # see _tree.distinct_scalars). Storing them costs a parameter-sized write
         # and read, and on XLA:CPU a temporary buffer faulted in on every step.
-        factors = _tree.distinct_scalars(1.0 / state.loss_scale, len(jax.tree.leaves(updates)))
+        factors = _tree.distinct_scalars(1.0 / state.loss_scale, jax.tree.leaves(updates))
         finite = all_finite(_unscale(updates, factors, params))
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
