@@ -1,0 +1,536 @@
+"""Training and evaluation of LeNet-5 with a gradtools optimizer.
+
+:func:`train_and_evaluate` is the whole demo as a library call (the CLI in
+``__main__`` only parses a :class:`Config`). The optimizer it builds shows
+every gradtools transform at its place in the chain::
+
+  accumulate(                      # --accum-steps: add micro-batch gradients
+    dynamic_loss_scale(            # --loss-scale: unscale, skip a non-finite window
+      freeze(                      # --freeze: zero updates, no state
+        chain(clip_by_global_norm, # --clip-norm
+              inject_hyperparams(sgd | adam | adamw)(learning_rate=schedule)),
+        patterns)),
+    every_k)
+
+Training is data-parallel over a one-axis ``jax.sharding.Mesh``: each batch is
+split over the devices and the parameters and optimizer state are replicated,
+so the jitted step is the one-device step and XLA adds the all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradtools
+from gradtools.demo import data
+from gradtools.demo.checkpoint import Checkpoints
+from gradtools.demo.model import DTYPES, LeNet5, count_params
+
+__all__ = [
+    "LOSS_SCALES",
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "Config",
+    "ConfigError",
+    "Result",
+    "make_optimizer",
+    "train_and_evaluate",
+]
+
+OPTIMIZERS = ("momentum", "adam", "adamw")
+SCHEDULES = (
+    "constant",
+    "piecewise_constant",
+    "exponential_decay",
+    "natural_exp_decay",
+    "inverse_time_decay",
+    "cosine_decay",
+    "polynomial_decay",
+    "warmup",
+)
+LOSS_SCALES = ("none", "fixed", "dynamic")
+_DEFAULT_LR = {"momentum": 0.01, "adam": 1e-3, "adamw": 1e-3}
+# Options a resumed run takes from the command line; the rest from the checkpoint.
+_RUN_OPTIONS = ("checkpoint_dir", "resume", "eval_only", "plot", "progress", "devices", "max_steps")
+
+
+class ConfigError(ValueError):
+    """An option has a bad value, or options do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of a demo run; the CLI options, one field each.
+
+    ``devices`` and ``max_steps`` have no CLI option: tests and notebooks use
+    them to pick the number of devices and to stop a run early (as if
+    interrupted) after ``max_steps`` micro-batches.
+    """
+
+    epochs: int = 12
+    batch_size: int = 32
+    accum_steps: int = 4
+    optimizer: str = "momentum"
+    lr: float | None = None  # None: 0.01 for momentum, 0.001 for adam and adamw
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    clip_norm: float | None = 5.0
+    loss_scale: str = "dynamic"
+    precision: str = "fp32"
+    freeze: tuple[str, ...] = ()
+    seed: int = 0
+    data_dir: str | None = None
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    eval_only: bool = False
+    plot: str | None = None
+    progress: bool = True
+    devices: int | None = None
+    max_steps: int | None = None
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the optimizer's default when it is ``None``."""
+        return _DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+
+class Result(NamedTuple):
+    """What :func:`train_and_evaluate` returns.
+
+    Attributes:
+      params: the trained parameters.
+      opt_state: the optimizer state.
+      step: micro-batches trained so far.
+      test_accuracy: accuracy on the test digits, in percent.
+      history: per-step and per-epoch metrics (see :func:`plot_history`).
+      checkpoint: the directory of the last checkpoint written, or ``None``.
+      plot: the PNG written, or ``None``.
+    """
+
+    params: Any
+    opt_state: Any
+    step: int
+    test_accuracy: float
+    history: dict[str, Any]
+    checkpoint: str | None
+    plot: str | None
+
+
+def _validate(config: Config, n_devices: int) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    for name in ("epochs", "batch_size", "accum_steps"):
+        value = getattr(config, name)
+        need(value >= 1, f"--{name.replace('_', '-')} {value}: must be an integer >= 1")
+    need(config.optimizer in OPTIMIZERS, f"--optimizer {config.optimizer}: not in {OPTIMIZERS}")
+    need(config.schedule in SCHEDULES, f"--schedule {config.schedule}: not in {SCHEDULES}")
+    need(
+        config.loss_scale in LOSS_SCALES, f"--loss-scale {config.loss_scale}: not in {LOSS_SCALES}"
+    )
+    need(config.precision in DTYPES, f"--precision {config.precision}: not in {tuple(DTYPES)}")
+    lr = config.learning_rate
+    need(math.isfinite(lr) and lr > 0, f"--lr {lr}: must be a finite number > 0")
+    need(config.warmup_steps >= 0, f"--warmup-steps {config.warmup_steps}: must be >= 0")
+    need(
+        config.schedule != "warmup" or config.warmup_steps > 0,
+        "--schedule warmup needs --warmup-steps N with N >= 1",
+    )
+    clip = config.clip_norm
+    need(clip is None or (math.isfinite(clip) and clip > 0), f"--clip-norm {clip}: must be > 0")
+    for pattern in config.freeze:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"--freeze {pattern!r}: not a regular expression: {e}") from None
+    need(
+        config.devices is None or 1 <= config.devices <= len(jax.devices()),
+        f"devices={config.devices}: this machine has {len(jax.devices())}",
+    )
+    need(
+        config.batch_size % n_devices == 0,
+        f"--batch-size {config.batch_size} does not split over {n_devices} devices: "
+        f"use a multiple of {n_devices}",
+    )
+    if config.plot is not None:
+        folder = os.path.dirname(os.path.abspath(config.plot))
+        need(config.plot.lower().endswith(".png"), f"--plot {config.plot}: must end in .png")
+        need(os.path.isdir(folder), f"--plot {config.plot}: no directory {folder}")
+    need(not (config.resume and config.eval_only), "--resume and --eval-only exclude each other")
+    need(
+        config.checkpoint_dir is not None or not (config.resume or config.eval_only),
+        f"--{'resume' if config.resume else 'eval-only'} needs --checkpoint-dir",
+    )
+
+
+def _schedule(config: Config, total_updates: int) -> Any:
+    """The learning rate: a float, or a gradtools schedule over ``total_updates``."""
+    lr, warm, name = config.learning_rate, config.warmup_steps, config.schedule
+    if name == "constant" and not warm:
+        return lr
+    s = gradtools.schedules
+    n = max(total_updates - warm, 1)  # the steps after warmup
+    if name == "warmup":
+        return s.warmup(lr, warm)
+    schedule = {
+        "constant": lambda: optax.constant_schedule(lr),
+        "piecewise_constant": lambda: s.piecewise_constant(
+            [max(n // 2, 1), max(3 * n // 4, 2), max(n, 3)], [lr, lr / 10, lr / 100]
+        ),
+        "exponential_decay": lambda: s.exponential_decay(lr, 0.1, n),
+        "natural_exp_decay": lambda: s.natural_exp_decay(lr, math.log(10) / n, 1),
+        "inverse_time_decay": lambda: s.inverse_time_decay(lr, 9.0, n),
+        "cosine_decay": lambda: s.cosine_decay(0.0, lr, n),
+        "polynomial_decay": lambda: s.polynomial_decay(lr, lr / 100, n),
+    }[name]()
+    return s.with_warmup(schedule, warm) if warm else schedule
+
+
+def make_optimizer(config: Config, total_updates: int) -> optax.GradientTransformation:
+    """The gradtools optimizer for ``config`` (see the module docstring).
+
+    Args:
+      config: the run's settings.
+      total_updates: optimizer updates in the whole run, for the schedule.
+
+    Returns:
+      The transformation; its ``init`` raises ``ValueError`` when a
+      ``--freeze`` pattern matches no parameter.
+    """
+    lr = _schedule(config, total_updates)
+    factory, kwargs = {
+        "momentum": (optax.sgd, {"momentum": 0.9}),
+        "adam": (optax.adam, {}),
+        "adamw": (optax.adamw, {"weight_decay": 1e-4}),
+    }[config.optimizer]
+    tx = optax.inject_hyperparams(factory)(learning_rate=lr, **kwargs)
+    if config.clip_norm is not None:
+        tx = optax.chain(gradtools.clip_by_global_norm(config.clip_norm), tx)
+    if config.freeze:
+        tx = gradtools.freeze(tx, list(config.freeze))
+    if config.loss_scale == "dynamic":
+        tx = gradtools.dynamic_loss_scale(tx)
+    elif config.loss_scale == "fixed":
+        tx = gradtools.fixed_loss_scale(tx)
+    if config.accum_steps > 1:
+        tx = gradtools.accumulate(tx, config.accum_steps)
+    return tx
+
+
+def _log(message: str) -> None:
+    if jax.process_index() == 0:
+        from tqdm import tqdm
+
+        tqdm.write(message, file=sys.stdout)
+
+
+def _resumed_config(config: Config, saved: dict[str, Any]) -> Config:
+    """The checkpoint's settings, with the run options of ``config``."""
+    saved = {**saved, "freeze": tuple(saved["freeze"])}
+    merged = Config(**{**saved, **{k: getattr(config, k) for k in _RUN_OPTIONS}})
+    ignored = [
+        f"{k}={getattr(config, k)!r}"
+        for k in saved
+        if k not in _RUN_OPTIONS and getattr(config, k) != saved[k]
+    ]
+    if ignored:
+        _log(f"note: continuing with the checkpoint's settings; ignoring {', '.join(ignored)}")
+    return merged
+
+
+def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> Result:
+    """Trains LeNet-5 as ``config`` says, evaluates it, and reports.
+
+    Prints a progress bar per epoch (unless ``config.progress`` is false), a
+    line per epoch and a summary; with ``config.checkpoint_dir`` it saves a
+    checkpoint after every epoch and when stopped (``max_steps``, Ctrl-C).
+
+    Args:
+      config: the settings. With ``resume`` or ``eval_only`` the training
+        settings come from the newest checkpoint in ``checkpoint_dir``.
+      dataset: digits to use instead of loading them as ``config.data_dir``
+        says (tests pass a small set).
+
+    Returns:
+      A :class:`Result`; its ``test_accuracy`` is NaN when stopped early.
+
+    Raises:
+      ConfigError: for bad or conflicting settings, or a checkpoint directory
+        that does not fit the request.
+      DataError: for missing or damaged data files.
+    """
+    start = time.perf_counter()
+    run = _Run(config, dataset)
+    config, ckpt = run.config, run.ckpt
+    if config.eval_only:
+        accuracy = run.evaluate()
+        path = ckpt.path(run.step)  # type: ignore[union-attr]
+        _log(
+            f"test accuracy {accuracy:.2f}% ({len(run.ds.test_labels):,} digits), "
+            f"checkpoint at step {run.step:,}: {path}"
+        )
+        return Result(run.params, run.opt_state, run.step, accuracy, run.history, path, None)
+    _log(run.describe())
+    try:
+        run.train(start)
+    except KeyboardInterrupt:
+        written = run.save() if run.alive() else None
+        _log(
+            f"interrupted at step {run.step:,}"
+            + (f"; checkpoint: {written}; continue with --resume" if written else "")
+        )
+        raise
+    stopped = run.step < run.total_steps
+    accuracy = float("nan") if stopped else run.evaluate()
+    plot = None
+    if config.plot and jax.process_index() == 0:
+        from gradtools.demo.plot import plot_history
+
+        plot = plot_history(run.history, config.plot)
+    elapsed = time.perf_counter() - start
+    if stopped:
+        _log(f"stopped at step {run.step:,} of {run.total_steps:,} after {elapsed:.1f} s")
+    else:
+        _log(
+            f"test accuracy {accuracy:.2f}% ({len(run.ds.test_labels):,} digits) after "
+            f"{config.epochs} epochs ({run.step:,} steps) in {elapsed:.1f} s"
+        )
+    _log(f"checkpoint: {run.written or 'not saved (pass --checkpoint-dir DIR)'}")
+    if plot:
+        _log(f"plot: {plot}")
+    return Result(run.params, run.opt_state, run.step, accuracy, run.history, run.written, plot)
+
+
+class _Run:
+    """The state of one run: set up from a config (and a checkpoint), trained in place."""
+
+    def __init__(self, config: Config, dataset: data.Dataset | None):
+        self.ckpt = Checkpoints(config.checkpoint_dir) if config.checkpoint_dir else None
+        latest = self.ckpt.latest_step() if self.ckpt else None
+        meta = None
+        if config.resume or config.eval_only:
+            if latest is None:
+                raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
+            meta = self.ckpt.restore_meta(latest)  # type: ignore[union-attr]
+            config = _resumed_config(config, meta["config"])
+        elif latest is not None:
+            raise ConfigError(
+                f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint (step "
+                f"{latest}): pass --resume to continue it, or choose another directory"
+            )
+        self.config = config
+        self.devices = jax.devices()[: config.devices]
+        _validate(config, len(self.devices))
+        self.ds = ds = dataset if dataset is not None else data.load(config.data_dir)
+        self.steps_per_epoch = len(ds.train_labels) // config.batch_size
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"--batch-size {config.batch_size} is larger than the "
+                f"{len(ds.train_labels)} training digits"
+            )
+        self.total_steps = config.epochs * self.steps_per_epoch
+        updates_per_epoch = -(-self.steps_per_epoch // config.accum_steps)  # last window flushed
+
+        mesh = jax.sharding.Mesh(np.asarray(self.devices), ("data",))
+        self.replicated, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        self.model = model = LeNet5(DTYPES[config.precision])
+        self.tx = tx = make_optimizer(config, config.epochs * updates_per_epoch)
+
+        def init(key):
+            params = model.init(key, jnp.zeros((1, 32, 32, 1), jnp.float32))
+            return {"params": params, "opt_state": tx.init(params)}
+
+        init = jax.jit(init, out_shardings=self.replicated)
+        key = jax.random.key(config.seed)
+        try:
+            template = jax.eval_shape(init, key)
+        except ValueError as e:  # a --freeze pattern that matches no parameter
+            raise ConfigError(f"--freeze: {e}") from None
+        if meta is None:
+            state = init(key)
+            self.step = 0
+            self.history: dict[str, Any] = {
+                "step": [],
+                "epoch": {"step": [], "train_loss": [], "test_accuracy": []},
+            }
+        else:
+            template = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
+                template,
+            )
+            state = self.ckpt.restore(latest, template)  # type: ignore[union-attr]
+            self.step, self.history = int(latest), meta["history"]  # type: ignore[arg-type]
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.written: str | None = None
+
+        def loss_fn(params, images, labels):
+            logits = model.apply(params, images)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        self._train_step = jax.jit(
+            gradtools.train_step(loss_fn, tx),
+            donate_argnums=(0, 1),
+            out_shardings=self.replicated,
+        )
+        self._count_correct = jax.jit(
+            lambda params, x, y: jnp.sum(jnp.argmax(model.apply(params, x), -1) == y)
+        )
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        """A host batch as a global array split over the devices (on every host)."""
+        return jax.make_array_from_callback(x.shape, self.split, lambda index: x[index])
+
+    def alive(self) -> bool:
+        """Whether params and state are intact (not donated to a step in flight)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves((self.params, self.opt_state)))
+
+    def evaluate(self) -> float:
+        """Accuracy on the test digits, in percent."""
+        chunk = len(self.devices) * -(-1000 // len(self.devices))
+        images, labels = self.ds.test_images, self.ds.test_labels
+        pad = -len(labels) % chunk  # padded examples get label -1 and never count
+        images = np.concatenate([images, np.zeros((pad, 28, 28), np.uint8)])
+        labels = np.concatenate([labels, np.full(pad, -1, np.int32)])
+        correct = 0
+        for i in range(0, len(labels), chunk):
+            x, y = data.preprocess(images[i : i + chunk]), labels[i : i + chunk]
+            correct += int(self._count_correct(self.params, self.put(x), self.put(y)))
+        return 100.0 * correct / len(self.ds.test_labels)
+
+    def save(self) -> str | None:
+        """Checkpoints the run at its current step, if it has a checkpoint directory."""
+        if self.ckpt is not None:
+            meta = {"config": dataclasses.asdict(self.config), "history": self.history}
+            state = {"params": self.params, "opt_state": self.opt_state}
+            self.written = self.ckpt.save(self.step, state, meta)
+        return self.written
+
+    def train(self, start: float) -> None:
+        """Trains to the end (or to ``max_steps``), one epoch at a time."""
+        stop = self.total_steps
+        if self.config.max_steps is not None:
+            stop = min(stop, max(self.config.max_steps, self.step))
+        while self.step < stop:
+            epoch = self.step // self.steps_per_epoch
+            records = self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
+            history = self.history
+            for key in records[0]:
+                history.setdefault(key, []).extend(r[key] for r in records)
+            history["step"].extend(range(self.step - len(records) + 1, self.step + 1))
+            if self.step % self.steps_per_epoch == 0:
+                accuracy = self.evaluate()
+                train_loss = float(np.mean(history["loss"][-self.steps_per_epoch :]))
+                history["epoch"]["step"].append(self.step)
+                history["epoch"]["train_loss"].append(train_loss)
+                history["epoch"]["test_accuracy"].append(accuracy)
+                _log(
+                    _epoch_line(
+                        self.config,
+                        epoch,
+                        train_loss,
+                        accuracy,
+                        records[-1],
+                        time.perf_counter() - start,
+                    )
+                )
+            self.save()
+
+    def _epoch(self, epoch: int, stop: int) -> list[dict[str, float]]:
+        """Trains the steps of ``epoch`` up to (global) step ``stop``."""
+        from tqdm import tqdm
+
+        config, per_epoch = self.config, self.steps_per_epoch
+        batches = data.epoch_batches(
+            len(self.ds.train_labels), config.batch_size, config.seed, epoch
+        )
+        bar = tqdm(
+            total=per_epoch,
+            initial=self.step - epoch * per_epoch,
+            unit="batch",
+            desc=f"epoch {epoch + 1}/{config.epochs}",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not config.progress or jax.process_index() != 0,
+        )
+        records = []
+        while self.step < stop:
+            i = self.step - epoch * per_epoch
+            index = batches[i]
+            update_kwargs = None
+            if config.accum_steps > 1:  # the last batch flushes a partial window
+                update_kwargs = {"flush": np.asarray(i == per_epoch - 1)}
+            self.params, self.opt_state, metrics = self._train_step(
+                self.params,
+                self.opt_state,
+                self.put(data.preprocess(self.ds.train_images[index])),
+                self.put(self.ds.train_labels[index]),
+                update_kwargs=update_kwargs,
+            )
+            self.step += 1
+            records.append(metrics)
+            bar.update()
+            if not bar.disable and (i % 10 == 0 or self.step == stop):
+                bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
+        bar.close()
+        keep = ("loss", "learning_rate", "loss_scale", "grad_norm", "skipped_steps")
+        return [{k: float(v) for k, v in r.items() if k in keep} for r in jax.device_get(records)]
+
+    def describe(self) -> str:
+        """Two lines on the model, data, devices and optimizer."""
+        config, k, n = self.config, self.config.accum_steps, len(self.devices)
+        batch = f"batch {config.batch_size}" + (
+            f" x {k} accumulated = {config.batch_size * k} per update" if k > 1 else ""
+        )
+        schedule = config.schedule + (
+            f" after {config.warmup_steps} warmup steps"
+            if config.warmup_steps and config.schedule != "warmup"
+            else ""
+        )
+        devices = f"{n} {self.devices[0].platform} device{'s' * (n > 1)}"
+        frozen = f"; frozen: {', '.join(config.freeze)}" if config.freeze else ""
+        return (
+            f"LeNet-5, {count_params(self.params):,} parameters, {config.precision}; "
+            f"{self.ds.source}: {len(self.ds.train_labels):,} train / "
+            f"{len(self.ds.test_labels):,} test digits\n"
+            f"{devices}; {batch}; {config.optimizer} lr {config.learning_rate:g} ({schedule}); "
+            f"clip norm {config.clip_norm or 'off'}; loss scale {config.loss_scale}{frozen}"
+        )
+
+
+def _status(m: dict[str, Any]) -> str:
+    parts = [f"loss {float(m['loss']):.4f}"]
+    if "learning_rate" in m:
+        parts.append(f"lr {float(m['learning_rate']):.3g}")
+    if "loss_scale" in m:
+        parts.append(f"scale {float(m['loss_scale']):g}")
+        parts.append(f"skipped {int(m['skipped_steps'])}")
+    return "  ".join(parts)
+
+
+def _epoch_line(
+    config: Config,
+    epoch: int,
+    train_loss: float,
+    accuracy: float,
+    last: dict[str, float],
+    elapsed: float,
+) -> str:
+    width = len(str(config.epochs))
+    return (
+        f"epoch {epoch + 1:>{width}}/{config.epochs}  {_status({**last, 'loss': train_loss})}"
+        f"  test acc {accuracy:.2f}%  [{elapsed:.0f} s]"
+    )
