@@ -1,12 +1,14 @@
 """gradtools: training-loop gradient plumbing for JAX, as Optax transforms."""
 
 from gradtools._version import __version__
-from gradtools.loss_scale import LossScaleState
-from gradtools.loss_scale import all_finite
-from gradtools.loss_scale import dynamic_loss_scale
-from gradtools.loss_scale import fixed_loss_scale
-from gradtools.loss_scale import loss_scale
-from gradtools.loss_scale import scale_loss
+from gradtools.loss_scale import (
+    LossScaleState,
+    all_finite,
+    dynamic_loss_scale,
+    fixed_loss_scale,
+    loss_scale,
+    scale_loss,
+)
 from gradtools.metrics import metrics
 from gradtools.training import train_step
 

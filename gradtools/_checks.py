@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-import jax
+import jax.core as jax_core
 import numpy as np
 import optax
 
@@ -24,11 +24,13 @@ __all__ = [
     "is_transform",
     "one_of",
     "positive_int",
+    "traced",
 ]
 
 
-def _traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
+def traced(value: Any) -> bool:
+    """Whether ``value`` is a tracer (its value is unknown until run time)."""
+    return isinstance(value, jax_core.Tracer)
 
 
 def _real(name: str, value: Any) -> float:
@@ -42,7 +44,7 @@ def _real(name: str, value: Any) -> float:
 
 def finite_positive(name: str, value: Any) -> None:
     """Checks ``0 < value < inf``."""
-    if _traced(value):
+    if traced(value):
         return
     v = _real(name, value)
     if not (math.isfinite(v) and v > 0):
@@ -51,7 +53,7 @@ def finite_positive(name: str, value: Any) -> None:
 
 def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
     """Checks ``low < value < high``."""
-    if _traced(value):
+    if traced(value):
         return
     v = _real(name, value)
     if not low < v < high:
@@ -60,7 +62,7 @@ def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
 
 def positive_int(name: str, value: Any) -> None:
     """Checks that ``value`` is an integer >= 1 (not a bool, not a float)."""
-    if _traced(value):
+    if traced(value):
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if not (np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer)):
@@ -86,6 +88,5 @@ def is_transform(name: str, value: Any) -> None:
     """Checks that ``value`` is an ``optax.GradientTransformation``."""
     if not isinstance(value, optax.GradientTransformation):
         raise TypeError(
-            f"{name}={value!r} must be an optax.GradientTransformation, "
-            "e.g. optax.adam(1e-3)"
+            f"{name}={value!r} must be an optax.GradientTransformation, e.g. optax.adam(1e-3)"
         )

@@ -25,9 +25,7 @@ def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
     factor = jnp.asarray(factor, jnp.float32)
     if like is None:
         return jax.tree.map(lambda g: g.astype(jnp.float32) * factor, tree)
-    return jax.tree.map(
-        lambda g, p: (g.astype(jnp.float32) * factor).astype(p.dtype), tree, like
-    )
+    return jax.tree.map(lambda g, p: (g.astype(jnp.float32) * factor).astype(p.dtype), tree, like)
 
 
 def zeros_like_shapes(shapes: Any) -> Any:

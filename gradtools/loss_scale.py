@@ -119,9 +119,7 @@ def _loss_scaler(
             new_updates, inner_state = apply(None)
 
         scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
-        skipped = jnp.where(
-            finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
-        )
+        skipped = jnp.where(finite, state.skipped_steps, optax.safe_increment(state.skipped_steps))
         new_state = LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             good_steps=good_steps.astype(jnp.int32),
@@ -212,9 +210,7 @@ def dynamic_loss_scale(
     _checks.finite_positive("max_scale", max_scale)
     _checks.in_open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
     _checks.positive_int("growth_interval", growth_interval)
-    concrete = not any(
-        isinstance(v, jax.core.Tracer) for v in (init_scale, growth_factor, min_scale, max_scale)
-    )
+    concrete = not any(_checks.traced(v) for v in (init_scale, growth_factor, min_scale, max_scale))
     if concrete:
         if float(growth_factor) <= 1:
             raise ValueError(f"{growth_factor=} must be > 1")
@@ -224,7 +220,7 @@ def dynamic_loss_scale(
             raise ValueError(f"{max_scale=} must be >= {init_scale=}")
 
     def adjust(scale, good_steps, finite):
-        good_steps = optax.safe_increment(good_steps)
+        good_steps = jnp.asarray(optax.safe_increment(good_steps))
         grow = good_steps >= growth_interval
         grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
         backed_off = jnp.maximum(scale * backoff_factor, min_scale)

@@ -1,0 +1,389 @@
+"""Loss scaling against a plain-Python reference of the rule."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import gradtools
+
+INF = float("inf")
+
+
+def reference_dynamic(pattern, init, growth_factor, backoff, interval, lo, hi):
+    """The scale after each step, written straight from DESIGN.md's rule."""
+    scale, good, out = init, 0, []
+    for finite in pattern:
+        if finite:
+            good += 1
+            if good == interval:
+                scale, good = min(scale * growth_factor, hi), 0
+        else:
+            scale, good = max(scale * backoff, lo), 0
+        out.append(scale)
+    return out
+
+
+def run_pattern(tx, pattern, params):
+    """Feeds grads of ones (or an inf on overflow steps); returns per-step state."""
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    trajectory = []
+    for finite in pattern:
+        g = jax.tree.map(jnp.ones_like, params)
+        if not finite:
+            g["w"] = g["w"].at[0].set(INF)
+        _, state = update(g, state, params)
+        trajectory.append(state)
+    return trajectory
+
+
+PARAMS = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+# Growth timing, a cap hit twice, backoff to the floor and a stay there.
+PATTERN = [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(
+            init_scale=4.0,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=3,
+            min_scale=1.0,
+            max_scale=16.0,
+        ),
+        dict(
+            init_scale=8.0,
+            growth_factor=3.0,
+            backoff_factor=0.25,
+            growth_interval=2,
+            min_scale=0.5,
+            max_scale=20.0,
+        ),
+        dict(
+            init_scale=1.0,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1,
+            min_scale=1.0,
+            max_scale=4.0,
+        ),
+    ],
+)
+def test_dynamic_trajectory_matches_reference(kw):
+    pattern = [bool(x) for x in PATTERN]
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1), **kw)
+    got = [float(s.loss_scale) for s in run_pattern(tx, pattern, PARAMS)]
+    want = reference_dynamic(
+        pattern,
+        kw["init_scale"],
+        kw["growth_factor"],
+        kw["backoff_factor"],
+        kw["growth_interval"],
+        kw["min_scale"],
+        kw["max_scale"],
+    )
+    assert got == want
+    # The pattern must exercise both the cap and the floor.
+    assert max(want) == kw["max_scale"] and min(want) == kw["min_scale"]
+
+
+def test_dynamic_counters_match_reference():
+    pattern = [bool(x) for x in PATTERN]
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, growth_interval=3)
+    states = run_pattern(tx, pattern, PARAMS)
+    good, skipped = 0, 0
+    for finite, s in zip(pattern, states):
+        good = 0 if not finite or good + 1 == 3 else good + 1
+        skipped += not finite
+        assert int(s.good_steps) == good
+        assert int(s.skipped_steps) == skipped
+        assert bool(s.finite) == finite
+
+
+def test_growth_happens_on_the_interval_th_finite_step():
+    # torch.amp.GradScaler: with growth_interval=N the scale grows on the N-th clean step.
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0, growth_interval=4)
+    scales = [float(s.loss_scale) for s in run_pattern(tx, [True] * 9, PARAMS)]
+    assert scales == [2.0, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0, 8.0, 8.0]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fixed_scale_never_changes(skip):
+    pattern = [bool(x) for x in PATTERN]
+    tx = gradtools.fixed_loss_scale(optax.sgd(0.1), 64.0, skip_nonfinite=skip)
+    states = run_pattern(tx, pattern, PARAMS)
+    assert [float(s.loss_scale) for s in states] == [64.0] * len(pattern)
+    assert int(states[-1].skipped_steps) == pattern.count(False)
+
+
+def test_fixed_skip_nonfinite_false_always_applies():
+    params = {"w": jnp.ones(3)}
+    g = {"w": jnp.array([64.0, INF, 128.0])}
+    applied = gradtools.fixed_loss_scale(optax.sgd(1.0), 64.0, skip_nonfinite=False)
+    updates, state = jax.jit(applied.update)(g, applied.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -INF, -2.0])
+    assert not bool(state.finite)
+
+    skipping = gradtools.fixed_loss_scale(optax.sgd(1.0), 64.0)
+    updates, state = jax.jit(skipping.update)(g, skipping.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0, 0.0])
+    assert int(state.skipped_steps) == 1
+
+
+def test_unscaled_grads_reach_the_inner_optimizer():
+    # sgd(1.0) returns -grads, so the update shows exactly what inner received.
+    tx = gradtools.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
+    params = {"w": jnp.zeros(3)}
+    g = {"w": jnp.array([1024.0, -2048.0, 512.0])}
+    updates, _ = jax.jit(tx.update)(g, tx.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, 2.0, -0.5])
+
+
+def test_skipped_step_leaves_adam_and_schedule_untouched():
+    schedule = optax.linear_schedule(1e-2, 1e-3, 100)
+    tx = gradtools.dynamic_loss_scale(optax.adam(schedule), init_scale=2.0**10)
+    params = {"w": jnp.linspace(-1.0, 1.0, 5), "b": jnp.ones(2)}
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for _ in range(3):  # some history, so mu/nu/count are not trivial
+        g = jax.tree.map(lambda p: 1024.0 * (p + 0.5), params)
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+
+    bad = {"w": jnp.full(5, jnp.nan), "b": jnp.ones(2)}
+    updates, new_state = update(bad, state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    for leaf in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+        assert not np.signbit(leaf).any()  # exact +0.0, not -0.0
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+    adam_state, schedule_state = new_state.inner_state[0], new_state.inner_state[-1]
+    assert int(adam_state.count) == 3
+    assert int(schedule_state.count) == 3
+    assert float(new_state.loss_scale) == 2.0**9
+
+
+def test_fp16_underflow_is_rescued_by_scaling():
+    """True gradients ~1e-8 vanish in fp16 but survive with a loss scale."""
+    x = jnp.linspace(1.0, 2.0, 8) * 1e-4
+    c = 1e-4
+
+    def loss_fn(params):  # fp32 master weights, fp16 compute
+        w16 = params["w"].astype(jnp.float16)
+        return jnp.sum(w16 * x.astype(jnp.float16)) * jnp.float16(c)
+
+    params = {"w": jnp.ones(8)}
+    true_grad = np.asarray(x, np.float64) * c  # d loss / d w, about 1e-8
+    assert true_grad.max() < 2.0**-24  # below fp16's smallest subnormal
+
+    plain = jax.grad(loss_fn)(params)["w"]
+    np.testing.assert_array_equal(plain, np.zeros(8))
+
+    tx = gradtools.dynamic_loss_scale(optax.sgd(1.0))
+    state = tx.init(params)
+    scaled = jax.grad(lambda p: gradtools.scale_loss(loss_fn(p), state))(params)
+    updates, state = jax.jit(tx.update)(scaled, state, params)
+    assert bool(state.finite)
+    np.testing.assert_allclose(-updates["w"], true_grad, rtol=1e-2)
+
+
+def test_updates_keep_param_dtypes_with_none_leaves():
+    params = {
+        "f32": jnp.ones(3, jnp.float32),
+        "bf16": jnp.ones(3, jnp.bfloat16),
+        "f16": jnp.ones(3, jnp.float16),
+        "none": None,
+        "empty": {},
+    }
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 8.0), params)
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.5), init_scale=8.0)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert updates["none"] is None and updates["empty"] == {}
+    for k in ("f32", "bf16", "f16"):
+        assert updates[k].dtype == params[k].dtype
+        np.testing.assert_array_equal(np.asarray(updates[k], np.float32), [-0.5] * 3)
+
+    # Without params the unscaled grads stay float32.
+    updates, _ = jax.jit(lambda g, s: tx.update(g, s))(grads, state)
+    assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
+
+
+def test_state_structure_and_dtypes_survive_scan():
+    tx = gradtools.dynamic_loss_scale(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), growth_interval=2
+    )
+    params = {"w": jnp.ones(4, jnp.float16), "v": jnp.ones(2)}
+    state = tx.init(params)
+    pattern = jnp.array([True, False, True, True, True, False])
+
+    def body(carry, finite):
+        params, state = carry
+        g = jax.tree.map(lambda p: jnp.where(finite, 1.0, jnp.inf).astype(p.dtype), params)
+        updates, state = tx.update(g, state, params)
+        return (optax.apply_updates(params, updates), state), state.loss_scale
+
+    (_, final), scales = jax.jit(lambda c: jax.lax.scan(body, c, pattern))((params, state))
+    assert jax.tree.structure(final) == jax.tree.structure(state)
+    assert jax.tree.map(lambda a: a.dtype, final) == jax.tree.map(lambda a: a.dtype, state)
+    want = reference_dynamic([bool(f) for f in pattern], 2.0**15, 2.0, 0.5, 2, 1.0, 2.0**24)
+    np.testing.assert_array_equal(scales, want)
+    assert int(final.inner_state[1][0].count) == int(pattern.sum())
+
+
+def test_no_recompilation_on_second_step():
+    tx = gradtools.dynamic_loss_scale(optax.adam(1e-3))
+    params = {"w": jnp.ones(3)}
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def update(g, state):
+        return tx.update(g, state, params)
+
+    state = tx.init(params)
+    for value in (1.0, INF, 2.0):
+        _, state = update({"w": jnp.full(3, value)}, state)
+    assert int(state.skipped_steps) == 1
+
+
+def test_inside_chain_and_inject_hyperparams():
+    inner = optax.inject_hyperparams(gradtools.dynamic_loss_scale)(
+        optax.sgd(1.0), init_scale=8.0, growth_interval=2, backoff_factor=0.5
+    )
+    tx = optax.chain(optax.identity(), inner)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    scales = []
+    for finite in (True, True, False, True):
+        g = {"w": jnp.array([8.0, 8.0 if finite else INF])}
+        _, state = update(g, state, params)
+        scales.append(float(gradtools.loss_scale(state)))
+    assert scales == reference_dynamic([1, 1, 0, 1], 8.0, 2.0, 0.5, 2, 1.0, 2.0**24)
+
+    # A hyperparameter changed in the state takes effect without rebuilding.
+    state[1].hyperparams["backoff_factor"] = jnp.float32(0.25)
+    _, state = update({"w": jnp.array([INF, 0.0])}, state, params)
+    assert float(gradtools.loss_scale(state)) == 8.0 * 0.25
+
+
+def test_scale_loss_finds_state_at_any_depth():
+    ls = gradtools.fixed_loss_scale(optax.adam(1e-3), 256.0)
+    tx = optax.chain(optax.identity(), optax.chain(optax.scale(1.0), ls))
+    state = {"outer": (tx.init({"w": jnp.zeros(2)}),)}
+    assert float(gradtools.scale_loss(jnp.float32(0.5), state)) == 128.0
+    assert float(gradtools.loss_scale(state)) == 256.0
+    m = gradtools.metrics(state)
+    assert float(m["loss_scale"]) == 256.0
+    assert int(m["skipped_steps"]) == 0 and bool(m["finite"])
+    # Under jit, scaling keeps the loss dtype.
+    out = jax.jit(gradtools.scale_loss)(jnp.float16(0.5), state)
+    assert out.dtype == jnp.float16 and float(out) == 128.0
+
+
+def test_missing_state_says_what_to_do():
+    state = optax.adam(1e-3).init({"w": jnp.zeros(2)})
+    for fn in (lambda: gradtools.scale_loss(1.0, state), lambda: gradtools.loss_scale(state)):
+        with pytest.raises(ValueError, match=r"dynamic_loss_scale\(optax.adam"):
+            fn()
+    assert gradtools.metrics(state) == {}
+
+
+def test_two_scalers_are_ambiguous():
+    a = gradtools.fixed_loss_scale(optax.sgd(1.0))
+    state = (a.init({"w": jnp.zeros(1)}), a.init({"w": jnp.zeros(1)}))
+    with pytest.raises(ValueError, match="several LossScaleStates"):
+        gradtools.loss_scale(state)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(init_scale=-4.0), "init_scale"),
+        (dict(init_scale=INF), "init_scale"),
+        (dict(init_scale=float("nan")), "init_scale"),
+        (dict(init_scale="big"), "init_scale"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(growth_factor=0.5), "growth_factor"),
+        (dict(growth_factor=INF), "growth_factor"),
+        (dict(backoff_factor=0.0), "backoff_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(backoff_factor=1.5), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+        (dict(growth_interval=2.5), "growth_interval"),
+        (dict(growth_interval=100.0), "growth_interval"),
+        (dict(growth_interval=True), "growth_interval"),
+        (dict(min_scale=0.0), "min_scale"),
+        (dict(min_scale=2.0**16), "min_scale"),
+        (dict(max_scale=2.0**14), "max_scale"),
+        (dict(max_scale=INF), "max_scale"),
+    ],
+)
+def test_dynamic_rejects_bad_hyperparameters(kw, name):
+    with pytest.raises(ValueError, match=name):
+        gradtools.dynamic_loss_scale(optax.sgd(0.1), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(scale=0.0), "scale"),
+        (dict(scale=-1.0), "scale"),
+        (dict(scale=INF), "scale"),
+        (dict(skip_nonfinite="yes"), "skip_nonfinite"),
+    ],
+)
+def test_fixed_rejects_bad_hyperparameters(kw, name):
+    with pytest.raises(ValueError, match=name):
+        gradtools.fixed_loss_scale(optax.sgd(0.1), **kw)
+
+
+def test_inner_must_be_a_transformation():
+    with pytest.raises(TypeError, match="inner"):
+        gradtools.dynamic_loss_scale(optax.sgd)
+    with pytest.raises(TypeError, match="inner"):
+        gradtools.fixed_loss_scale(lambda g: g)
+
+
+def test_all_finite():
+    assert bool(gradtools.all_finite({"a": jnp.ones(3), "b": None, "c": {}}))
+    assert bool(gradtools.all_finite({}))
+    assert not bool(gradtools.all_finite([jnp.ones(2), jnp.array([1.0, jnp.nan])]))
+    assert not bool(gradtools.all_finite(jnp.array([jnp.inf], jnp.float16)))
+
+
+@pytest.mark.parametrize("axis_name", ["d", None])
+def test_axis_name_makes_every_device_skip(axis_name):
+    """Device 2 alone overflows; with axis_name all four skip and back off."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    tx = gradtools.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name=axis_name)
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    grads = jnp.ones((4, 3)).at[2, 0].set(INF)
+
+    def per_device(g, state):
+        updates, state = tx.update(g[0], state, params)
+        return updates[None], state.loss_scale[None], state.skipped_steps[None]
+
+    f = jax.jit(
+        jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"), check_vma=False
+        )
+    )
+    updates, scales, skipped = f(grads, state)
+    if axis_name is None:  # the failure mode axis_name exists for: replicas diverge
+        assert list(skipped) == [0, 0, 1, 0]
+        return
+    np.testing.assert_array_equal(updates, np.zeros((4, 3)))
+    assert list(scales) == [2.0] * 4
+    assert list(skipped) == [1] * 4
