@@ -53,9 +53,8 @@ class Checkpoints:
 
     def restore_meta(self, step: int) -> dict[str, Any]:
         """The JSON saved at ``step``."""
-        return self._manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        ).meta
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return self._manager.restore(step, args=args)["meta"]
 
     def restore(self, step: int, template: Any) -> Any:
         """The arrays saved at ``step``, shaped, typed and sharded like ``template``.
@@ -64,7 +63,7 @@ class Checkpoints:
         of arrays) with the structure the state was saved with.
         """
         args = ocp.args.Composite(state=ocp.args.StandardRestore(template))
-        return self._manager.restore(step, args=args).state
+        return self._manager.restore(step, args=args)["state"]
 
     def close(self) -> None:
         """Waits for pending writes and releases the manager."""

@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -377,8 +377,11 @@ class _Run:
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.written: str | None = None
 
+        def logits_fn(params, images) -> jax.Array:
+            return cast(jax.Array, model.apply(params, images))
+
         def loss_fn(params, images, labels):
-            logits = model.apply(params, images)
+            logits = logits_fn(params, images)
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
         self._train_step = jax.jit(
@@ -387,7 +390,7 @@ class _Run:
             out_shardings=self.replicated,
         )
         self._count_correct = jax.jit(
-            lambda params, x, y: jnp.sum(jnp.argmax(model.apply(params, x), -1) == y)
+            lambda params, x, y: jnp.sum(jnp.argmax(logits_fn(params, x), -1) == y)
         )
 
     def put(self, x: np.ndarray) -> jax.Array:
