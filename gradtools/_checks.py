@@ -54,7 +54,7 @@ def finite_positive(name: str, value: Any) -> None:
 
 def finite_non_negative(name: str, value: Any) -> None:
     """Checks ``0 <= value < inf``."""
-    if _traced(value):
+    if traced(value):
         return
     v = _real(name, value)
     if not (math.isfinite(v) and v >= 0):

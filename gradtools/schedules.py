@@ -206,7 +206,7 @@ def exponential_decay(
       MindSpore ``nn.ExponentialDecayLR`` and ``nn.exponential_decay_lr``.
     """
     _check_decay(learning_rate, decay_rate, decay_steps, staircase)
-    log_rate = jnp.log(decay_rate) if _checks._traced(decay_rate) else math.log(decay_rate)
+    log_rate = jnp.log(decay_rate) if _checks.traced(decay_rate) else math.log(decay_rate)
 
     def schedule(step):
         return _f32(learning_rate * jnp.exp(log_rate * _progress(step, decay_steps, staircase)))
@@ -327,7 +327,7 @@ def cosine_decay(min_lr: float, max_lr: float, decay_steps: int) -> optax.Schedu
     _checks.finite_non_negative("min_lr", min_lr)
     _checks.finite_positive("max_lr", max_lr)
     _checks.positive_int("decay_steps", decay_steps)
-    if not (_checks._traced(min_lr) or _checks._traced(max_lr)) and float(min_lr) >= float(max_lr):
+    if not (_checks.traced(min_lr) or _checks.traced(max_lr)) and float(min_lr) >= float(max_lr):
         raise ValueError(f"{min_lr=} must be < {max_lr=}")
 
     def schedule(step):
