@@ -19,6 +19,7 @@ import pytest
 import gradtools
 from gradtools.demo import Config, ConfigError, LeNet5, data, train_and_evaluate
 from gradtools.demo.__main__ import main
+from gradtools.demo.model import count_params, init_key
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
 
@@ -58,12 +59,16 @@ def uninterrupted(small, tmp_path_factory):
 # The model.
 
 
+def _abstract_params():
+    return jax.eval_shape(LeNet5().init, init_key(0), jnp.zeros((1, 32, 32, 1)))
+
+
 def test_lenet5_has_61706_parameters_in_float32():
     # conv1 5*5*1*6+6, conv2 5*5*6*16+16, fc1 400*120+120, fc2 120*84+84, fc3 84*10+10
     expected = 156 + 2_416 + 48_120 + 10_164 + 850
     assert expected == 61_706
-    params = LeNet5().init(jax.random.key(0), jnp.zeros((1, 32, 32, 1)))
-    assert sum(x.size for x in jax.tree.leaves(params)) == expected
+    params = _abstract_params()
+    assert count_params(params) == sum(x.size for x in jax.tree.leaves(params)) == expected
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     names = gradtools.path_names(params)
     assert sorted(jax.tree.leaves(names))[:2] == ["params/conv1/bias", "params/conv1/kernel"]
@@ -71,14 +76,15 @@ def test_lenet5_has_61706_parameters_in_float32():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_lenet5_computes_in_its_dtype_and_returns_float32_logits(dtype):
-    model = LeNet5(dtype)
-    params = LeNet5().init(jax.random.key(0), jnp.zeros((1, 32, 32, 1)))
-    x = jnp.zeros((2, 32, 32, 1))
-    assert model.apply(params, x).dtype == jnp.float32
-    assert model.apply(params, x).shape == (2, 10)
+    model, params = LeNet5(dtype), _abstract_params()
+    x = jax.ShapeDtypeStruct((2, 32, 32, 1), jnp.float32)
+    logits = jax.eval_shape(model.apply, params, x)
+    assert (logits.shape, logits.dtype) == ((2, 10), jnp.float32)
     jaxpr = jax.make_jaxpr(model.apply)(params, x)
     convs = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
-    assert [e.outvars[0].aval.dtype for e in convs] == [jnp.dtype(dtype)] * 2
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(convs) == 2 and len(dots) == 3
+    assert {e.outvars[0].aval.dtype for e in convs + dots} == {jnp.dtype(dtype)}
 
 
 # The data.
@@ -228,9 +234,9 @@ def test_loss_falls_and_history_is_recorded(uninterrupted):
     _, result = uninterrupted
     losses = result.history["loss"]
     assert result.step == len(losses) == EPOCHS * STEPS_PER_EPOCH
-    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5])
     assert result.history["epoch"]["step"] == [10, 20]
-    assert 10.0 < result.test_accuracy <= 100.0
+    assert 20.0 < result.test_accuracy <= 100.0  # chance is 10%
     for key in ("learning_rate", "loss_scale", "grad_norm", "skipped_steps"):
         assert len(result.history[key]) == len(losses), key
     # 10 micro-batches per epoch: windows of 4, 4 and a flushed 2, so 3 updates.
@@ -288,31 +294,35 @@ def test_four_devices_match_one(uninterrupted, small):
     )
 
 
-def test_freeze_conv_leaves_conv_params_bit_identical(small):
-    config = _small_config(epochs=1, freeze=("conv",))
-    result = train_and_evaluate(config, small)
-    initial = LeNet5().init(jax.random.key(config.seed), jnp.zeros((1, 32, 32, 1)))
-    for name in ("conv1", "conv2"):
-        _assert_trees_equal(result.params["params"][name], initial["params"][name])
-    for name in ("fc1", "fc2", "fc3"):
-        assert not np.array_equal(
-            result.params["params"][name]["kernel"], initial["params"][name]["kernel"]
-        )
-
-
-def test_cli_trains_on_idx_files_in_fp16_with_every_option(small, tmp_path, capsys):
+def test_cli_on_idx_files_with_every_option_and_frozen_conv(small, tmp_path, capsys):
+    """fp16, adamw, a schedule with warmup, clipping and --freeze conv, end to end."""
     _write_mnist(tmp_path / "mnist", small, gz=True)
+    ckpt = tmp_path / "ckpt"
     argv = [
         "--data-dir", str(tmp_path / "mnist"), "--epochs", "2", "--precision", "fp16",
         "--loss-scale", "dynamic", "--optimizer", "adamw", "--schedule", "cosine_decay",
-        "--warmup-steps", "2", "--clip-norm", "1.0", "--freeze", "^params/fc3/",
-        "--checkpoint-dir", str(tmp_path / "ckpt"), "--plot", str(tmp_path / "run.png"),
-        "--no-progress",
+        "--warmup-steps", "2", "--clip-norm", "1.0", "--freeze", "conv",
+        "--checkpoint-dir", str(ckpt), "--plot", str(tmp_path / "run.png"), "--no-progress",
     ]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "LeNet-5, 61,706 parameters, fp16" in out
+    assert "adamw lr 0.001 (cosine_decay after 2 warmup steps)" in out
+    assert "clip norm 1.0; loss scale dynamic; frozen: conv" in out
     assert "epoch 1/2" in out and "epoch 2/2" in out
     assert "test accuracy" in out and "(200 digits)" in out
-    assert f"checkpoint: {tmp_path / 'ckpt' / '20'}" in out
-    assert f"plot: {tmp_path / 'run.png'}" in out
+    assert f"checkpoint: {ckpt / '20'}" in out and f"plot: {tmp_path / 'run.png'}" in out
+
+    trained = train_and_evaluate(Config(checkpoint_dir=str(ckpt), eval_only=True), small).params
+    # The same settings stopped at step 0 give the initial parameters (and reuse
+    # the compiled programs of the run above).
+    same = Config(
+        epochs=2, precision="fp16", optimizer="adamw", schedule="cosine_decay", warmup_steps=2,
+        clip_norm=1.0, freeze=("conv",), progress=False, max_steps=0,
+    )  # fmt: skip
+    initial = train_and_evaluate(same, small).params
+    for name in ("conv1", "conv2"):
+        _assert_trees_equal(trained["params"][name], initial["params"][name])
+    for name in ("fc1", "fc2", "fc3"):
+        changed = trained["params"][name]["kernel"] != initial["params"][name]["kernel"]
+        assert np.mean(changed) > 0.5, name

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DTYPES", "LeNet5", "count_params"]
+__all__ = ["DTYPES", "LeNet5", "count_params", "init_key"]
 
 #: ``--precision`` names and the compute dtypes they select.
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -49,3 +49,12 @@ class LeNet5(nn.Module):
 def count_params(params: Any) -> int:
     """The number of scalars in a parameter tree."""
     return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def init_key(seed: int) -> jax.Array:
+    """The PRNG key the demo initialises the parameters with.
+
+    An RBG key: XLA:CPU compiles LeNet-5's five threefry-based initialisers in
+    about 14 s, the RBG ones in under 4 s. Shuffling uses NumPy, not this key.
+    """
+    return jax.random.key(seed, impl="rbg")

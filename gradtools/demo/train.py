@@ -20,6 +20,7 @@ so the jitted step is the one-device step and XLA adds the all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -37,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 import gradtools
 from gradtools.demo import data
 from gradtools.demo.checkpoint import Checkpoints
-from gradtools.demo.model import DTYPES, LeNet5, count_params
+from gradtools.demo.model import DTYPES, LeNet5, count_params, init_key
 
 __all__ = [
     "LOSS_SCALES",
@@ -171,10 +172,6 @@ def _validate(config: Config, n_devices: int) -> None:
         need(config.plot.lower().endswith(".png"), f"--plot {config.plot}: must end in .png")
         need(os.path.isdir(folder), f"--plot {config.plot}: no directory {folder}")
     need(not (config.resume and config.eval_only), "--resume and --eval-only exclude each other")
-    need(
-        config.checkpoint_dir is not None or not (config.resume or config.eval_only),
-        f"--{'resume' if config.resume else 'eval-only'} needs --checkpoint-dir",
-    )
 
 
 def _schedule(config: Config, total_updates: int) -> Any:
@@ -315,6 +312,56 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     return Result(run.params, run.opt_state, run.step, accuracy, run.history, run.written, plot)
 
 
+class _Programs(NamedTuple):
+    """The jitted functions of a run, and the shardings they use."""
+
+    replicated: NamedSharding
+    split: NamedSharding
+    init: Any  # key -> {'params', 'opt_state'}
+    train_step: Any  # gradtools.train_step, params and state donated
+    count_correct: Any  # (params, images, labels) -> correct predictions
+
+
+def _program_key(config: Config) -> Config:
+    """``config`` without the fields that do not change what is compiled."""
+    defaults = Config()
+    unused = ("seed", "data_dir", *(k for k in _RUN_OPTIONS if k != "devices"))
+    return dataclasses.replace(config, **{k: getattr(defaults, k) for k in unused})
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(config: Config, total_updates: int) -> _Programs:
+    """Builds (once per setting: runs in one process share compilations) the programs."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[: config.devices]), ("data",))
+    replicated = NamedSharding(mesh, P())
+    model = LeNet5(DTYPES[config.precision])
+    tx = make_optimizer(config, total_updates)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 32, 32, 1), jnp.float32))
+        return {"params": params, "opt_state": tx.init(params)}
+
+    def logits_fn(params, images) -> jax.Array:
+        return cast(jax.Array, model.apply(params, images))
+
+    def loss_fn(params, images, labels):
+        logits = logits_fn(params, images)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def count_correct(params, images, labels):
+        return jnp.sum(jnp.argmax(logits_fn(params, images), -1) == labels)
+
+    return _Programs(
+        replicated=replicated,
+        split=NamedSharding(mesh, P("data")),
+        init=jax.jit(init, out_shardings=replicated),
+        train_step=jax.jit(
+            gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1), out_shardings=replicated
+        ),
+        count_correct=jax.jit(count_correct),
+    )
+
+
 class _Run:
     """The state of one run: set up from a config (and a checkpoint), trained in place."""
 
@@ -323,6 +370,9 @@ class _Run:
         latest = self.ckpt.latest_step() if self.ckpt else None
         meta = None
         if config.resume or config.eval_only:
+            if config.checkpoint_dir is None:
+                flag = "--resume" if config.resume else "--eval-only"
+                raise ConfigError(f"{flag} needs --checkpoint-dir")
             if latest is None:
                 raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
             meta = self.ckpt.restore_meta(latest)  # type: ignore[union-attr]
@@ -345,23 +395,16 @@ class _Run:
         self.total_steps = config.epochs * self.steps_per_epoch
         updates_per_epoch = -(-self.steps_per_epoch // config.accum_steps)  # last window flushed
 
-        mesh = jax.sharding.Mesh(np.asarray(self.devices), ("data",))
-        self.replicated, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        self.model = model = LeNet5(DTYPES[config.precision])
-        self.tx = tx = make_optimizer(config, config.epochs * updates_per_epoch)
-
-        def init(key):
-            params = model.init(key, jnp.zeros((1, 32, 32, 1), jnp.float32))
-            return {"params": params, "opt_state": tx.init(params)}
-
-        init = jax.jit(init, out_shardings=self.replicated)
-        key = jax.random.key(config.seed)
+        programs = _programs(_program_key(config), config.epochs * updates_per_epoch)
+        self.replicated, self.split = programs.replicated, programs.split
+        self._train_step, self._count_correct = programs.train_step, programs.count_correct
+        key = init_key(config.seed)
         try:
-            template = jax.eval_shape(init, key)
+            template = jax.eval_shape(programs.init, key)
         except ValueError as e:  # a --freeze pattern that matches no parameter
             raise ConfigError(f"--freeze: {e}") from None
         if meta is None:
-            state = init(key)
+            state = programs.init(key)
             self.step = 0
             self.history: dict[str, Any] = {
                 "step": [],
@@ -376,22 +419,6 @@ class _Run:
             self.step, self.history = int(latest), meta["history"]  # type: ignore[arg-type]
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.written: str | None = None
-
-        def logits_fn(params, images) -> jax.Array:
-            return cast(jax.Array, model.apply(params, images))
-
-        def loss_fn(params, images, labels):
-            logits = logits_fn(params, images)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        self._train_step = jax.jit(
-            gradtools.train_step(loss_fn, tx),
-            donate_argnums=(0, 1),
-            out_shardings=self.replicated,
-        )
-        self._count_correct = jax.jit(
-            lambda params, x, y: jnp.sum(jnp.argmax(logits_fn(params, x), -1) == y)
-        )
 
     def put(self, x: np.ndarray) -> jax.Array:
         """A host batch as a global array split over the devices (on every host)."""
