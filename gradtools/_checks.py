@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import jax.core as jax_core
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 __all__ = [
     "finite_non_negative",
     "finite_positive",
+    "float_dtype",
     "in_open_interval",
     "is_bool",
     "is_transform",
     "one_of",
     "positive_int",
+    "regex",
     "traced",
 ]
 
@@ -100,3 +104,23 @@ def is_transform(name: str, value: Any) -> None:
         raise TypeError(
             f"{name}={value!r} must be an optax.GradientTransformation, e.g. optax.adam(1e-3)"
         )
+
+
+def regex(name: str, value: Any) -> re.Pattern[str]:
+    """Compiles ``value`` as a regular expression, or says why it cannot."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a regular expression string, e.g. r'conv'")
+    try:
+        return re.compile(value)
+    except re.error as err:
+        raise ValueError(f"{name}={value!r} is not a valid regular expression: {err}") from None
+
+
+def float_dtype(name: str, value: Any) -> None:
+    """Checks that ``value`` names a floating-point dtype."""
+    try:
+        dtype = None if value is None else np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name}={value!r} must be a floating dtype, e.g. jnp.float32")
