@@ -2,10 +2,14 @@
 
 The training runs use 320 real digits from the bundled sample (10 micro-batches
 of 32 per epoch, so with ``accum_steps=4`` every epoch ends with a flushed
-window of 2) and 200 test digits.
+window of 2) and 200 test digits. They all use one setting, which exercises
+every option (compiling LeNet-5 is what makes a run slow): once on one device
+through :func:`train_and_evaluate`, once on four devices through the CLI.
 """
 
+import contextlib
 import gzip
+import io
 import os
 import subprocess
 import sys
@@ -17,16 +21,30 @@ import optax
 import pytest
 
 import gradtools
-from gradtools.demo import Config, ConfigError, LeNet5, data, train_and_evaluate
+from gradtools.demo import Config
+from gradtools.demo import ConfigError
+from gradtools.demo import LeNet5
+from gradtools.demo import data
+from gradtools.demo import train_and_evaluate
 from gradtools.demo.__main__ import main
-from gradtools.demo.model import count_params, init_key
+from gradtools.demo.model import count_params
+from gradtools.demo.model import init_key
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
+SETTING = dict(
+    epochs=EPOCHS, optimizer="adamw", lr=0.01, schedule="cosine_decay", warmup_steps=2,
+    clip_norm=1.0, freeze=("conv",), loss_scale="dynamic", accum_steps=4,
+)  # fmt: skip
+ARGV = [
+    "--epochs", "2", "--optimizer", "adamw", "--lr", "0.01", "--schedule", "cosine_decay",
+    "--warmup-steps", "2", "--clip-norm", "1.0", "--freeze", "conv", "--loss-scale", "dynamic",
+    "--accum-steps", "4", "--no-progress",
+]  # fmt: skip
 
 
-def _small_config(**kwargs) -> Config:
-    settings = dict(epochs=EPOCHS, lr=0.05, progress=False, devices=1)
-    return Config(**{**settings, **kwargs})
+def _config(**kwargs) -> Config:
+    """The common setting on one device, without progress bars."""
+    return Config(**{**SETTING, "progress": False, "devices": 1, **kwargs})
 
 
 def _assert_trees_equal(a, b):
@@ -50,10 +68,21 @@ def small() -> data.Dataset:
 
 @pytest.fixture(scope="module")
 def uninterrupted(small, tmp_path_factory):
-    """One run of 2 epochs, with a checkpoint directory and a plot."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    config = _small_config(checkpoint_dir=str(folder / "ckpt"), plot=str(folder / "run.png"))
+    """The setting on one device for 2 epochs, with checkpoints."""
+    config = _config(checkpoint_dir=str(tmp_path_factory.mktemp("uninterrupted") / "ckpt"))
     return config, train_and_evaluate(config, small)
+
+
+@pytest.fixture(scope="module")
+def cli_run(small, tmp_path_factory):
+    """The setting through the CLI, on gzipped IDX files and all 4 devices."""
+    folder = tmp_path_factory.mktemp("cli")
+    _write_mnist(folder / "mnist", small, gz=True)
+    argv = [*ARGV, "--data-dir", str(folder / "mnist"), "--checkpoint-dir", str(folder / "ckpt")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*argv, "--plot", str(folder / "run.png")])
+    return code, out.getvalue(), folder
 
 
 # The model.
@@ -240,17 +269,22 @@ def test_loss_falls_and_history_is_recorded(uninterrupted):
     for key in ("learning_rate", "loss_scale", "grad_norm", "skipped_steps"):
         assert len(result.history[key]) == len(losses), key
     # 10 micro-batches per epoch: windows of 4, 4 and a flushed 2, so 3 updates.
-    [(_, sgd_state)] = optax.tree.get_all_with_path(
-        result.opt_state, "InjectStatefulHyperparamsState"
-    )
-    assert int(sgd_state.count) == 3 * EPOCHS
+    [(_, adamw)] = optax.tree.get_all_with_path(result.opt_state, "InjectStatefulHyperparamsState")
+    assert int(adamw.count) == 3 * EPOCHS
+    # Warmup over 2 updates, then cosine decay from 0.01 over the other 4.
+    lrs = sorted(set(result.history["learning_rate"]), reverse=True)
+    np.testing.assert_allclose(lrs[:3], [0.01, 0.01 * (1 + np.cos(np.pi / 4)) / 2, 0.005], 1e-6)
 
 
-def test_plot_is_a_png(uninterrupted):
-    config, result = uninterrupted
-    assert result.plot == os.path.abspath(config.plot)
-    with open(result.plot, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+def test_frozen_conv_params_stay_bit_identical(uninterrupted, small):
+    _, result = uninterrupted
+    initial = train_and_evaluate(_config(max_steps=0), small).params  # stopped at step 0
+    assert initial["params"]["conv1"]["kernel"].shape == (5, 5, 1, 6)
+    for name in ("conv1", "conv2"):
+        _assert_trees_equal(result.params["params"][name], initial["params"][name])
+    for name in ("fc1", "fc2", "fc3"):
+        changed = result.params["params"][name]["kernel"] != initial["params"][name]["kernel"]
+        assert np.mean(changed) > 0.5, name
 
 
 def test_eval_only_reproduces_the_final_accuracy(uninterrupted, small):
@@ -266,17 +300,17 @@ def test_eval_only_reproduces_the_final_accuracy(uninterrupted, small):
 def test_fresh_run_refuses_a_used_checkpoint_dir(uninterrupted, small):
     config, _ = uninterrupted
     with pytest.raises(ConfigError, match="already holds a checkpoint"):
-        train_and_evaluate(_small_config(checkpoint_dir=config.checkpoint_dir), small)
+        train_and_evaluate(_config(checkpoint_dir=config.checkpoint_dir), small)
 
 
 def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tmp_path):
     _, expected = uninterrupted
     folder = str(tmp_path / "ckpt")
-    stopped = train_and_evaluate(_small_config(checkpoint_dir=folder, max_steps=13), small)
+    stopped = train_and_evaluate(_config(checkpoint_dir=folder, max_steps=13), small)
     assert stopped.step == 13 and np.isnan(stopped.test_accuracy)
     assert int(gradtools.metrics(stopped.opt_state)["micro_step"]) == 3  # a half-filled window
     # Resuming takes the settings from the checkpoint: a different lr is ignored.
-    resumed = train_and_evaluate(_small_config(checkpoint_dir=folder, resume=True, lr=1.0), small)
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True, lr=1.0), small)
     assert resumed.step == expected.step
     _assert_trees_equal(resumed.params, expected.params)
     _assert_trees_equal(resumed.opt_state, expected.opt_state)
@@ -284,45 +318,27 @@ def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tm
     assert resumed.test_accuracy == expected.test_accuracy
 
 
-def test_four_devices_match_one(uninterrupted, small):
-    _, one = uninterrupted
-    four = train_and_evaluate(_small_config(devices=4), small)
-    kernel = four.params["params"]["conv1"]["kernel"]
-    assert len(kernel.sharding.device_set) == 4 and kernel.sharding.is_fully_replicated
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), four.params, one.params
-    )
-
-
-def test_cli_on_idx_files_with_every_option_and_frozen_conv(small, tmp_path, capsys):
-    """fp16, adamw, a schedule with warmup, clipping and --freeze conv, end to end."""
-    _write_mnist(tmp_path / "mnist", small, gz=True)
-    ckpt = tmp_path / "ckpt"
-    argv = [
-        "--data-dir", str(tmp_path / "mnist"), "--epochs", "2", "--precision", "fp16",
-        "--loss-scale", "dynamic", "--optimizer", "adamw", "--schedule", "cosine_decay",
-        "--warmup-steps", "2", "--clip-norm", "1.0", "--freeze", "conv",
-        "--checkpoint-dir", str(ckpt), "--plot", str(tmp_path / "run.png"), "--no-progress",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "LeNet-5, 61,706 parameters, fp16" in out
-    assert "adamw lr 0.001 (cosine_decay after 2 warmup steps)" in out
+def test_cli_reports_the_run(cli_run, uninterrupted):
+    code, out, folder = cli_run
+    assert code == 0
+    assert "LeNet-5, 61,706 parameters, fp32; MNIST IDX files in" in out
+    assert "4 cpu devices; batch 32 x 4 accumulated = 128 per update" in out
+    assert "adamw lr 0.01 (cosine_decay after 2 warmup steps)" in out
     assert "clip norm 1.0; loss scale dynamic; frozen: conv" in out
     assert "epoch 1/2" in out and "epoch 2/2" in out
     assert "test accuracy" in out and "(200 digits)" in out
-    assert f"checkpoint: {ckpt / '20'}" in out and f"plot: {tmp_path / 'run.png'}" in out
+    assert f"checkpoint: {folder / 'ckpt' / '20'}" in out
+    assert f"plot: {folder / 'run.png'}" in out
+    with open(folder / "run.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
-    trained = train_and_evaluate(Config(checkpoint_dir=str(ckpt), eval_only=True), small).params
-    # The same settings stopped at step 0 give the initial parameters (and reuse
-    # the compiled programs of the run above).
-    same = Config(
-        epochs=2, precision="fp16", optimizer="adamw", schedule="cosine_decay", warmup_steps=2,
-        clip_norm=1.0, freeze=("conv",), progress=False, max_steps=0,
-    )  # fmt: skip
-    initial = train_and_evaluate(same, small).params
-    for name in ("conv1", "conv2"):
-        _assert_trees_equal(trained["params"][name], initial["params"][name])
-    for name in ("fc1", "fc2", "fc3"):
-        changed = trained["params"][name]["kernel"] != initial["params"][name]["kernel"]
-        assert np.mean(changed) > 0.5, name
+
+def test_four_devices_match_one(cli_run, uninterrupted, small):
+    _, _, folder = cli_run
+    four = train_and_evaluate(Config(checkpoint_dir=str(folder / "ckpt"), eval_only=True), small)
+    kernel = four.params["params"]["fc1"]["kernel"]
+    assert len(kernel.sharding.device_set) == 4 and kernel.sharding.is_fully_replicated
+    one = uninterrupted[1].params
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), four.params, one
+    )

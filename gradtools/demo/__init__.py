@@ -11,6 +11,9 @@ Needs the ``demo`` extra: ``pip install "gradtools[demo]"``.
 
 from gradtools.demo.data import DataError
 from gradtools.demo.model import LeNet5
-from gradtools.demo.train import Config, ConfigError, Result, train_and_evaluate
+from gradtools.demo.train import Config
+from gradtools.demo.train import ConfigError
+from gradtools.demo.train import Result
+from gradtools.demo.train import train_and_evaluate
 
 __all__ = ["Config", "ConfigError", "DataError", "LeNet5", "Result", "train_and_evaluate"]

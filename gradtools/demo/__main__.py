@@ -7,14 +7,12 @@ import sys
 
 from gradtools.demo.data import DataError
 from gradtools.demo.model import DTYPES
-from gradtools.demo.train import (
-    LOSS_SCALES,
-    OPTIMIZERS,
-    SCHEDULES,
-    Config,
-    ConfigError,
-    train_and_evaluate,
-)
+from gradtools.demo.train import LOSS_SCALES
+from gradtools.demo.train import OPTIMIZERS
+from gradtools.demo.train import SCHEDULES
+from gradtools.demo.train import Config
+from gradtools.demo.train import ConfigError
+from gradtools.demo.train import train_and_evaluate
 
 __all__ = ["main", "parser"]
 

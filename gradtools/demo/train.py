@@ -26,7 +26,9 @@ import os
 import re
 import sys
 import time
-from typing import Any, NamedTuple, cast
+from typing import Any
+from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,10 @@ from jax.sharding import PartitionSpec as P
 import gradtools
 from gradtools.demo import data
 from gradtools.demo.checkpoint import Checkpoints
-from gradtools.demo.model import DTYPES, LeNet5, count_params, init_key
+from gradtools.demo.model import DTYPES
+from gradtools.demo.model import LeNet5
+from gradtools.demo.model import count_params
+from gradtools.demo.model import init_key
 
 __all__ = [
     "LOSS_SCALES",
@@ -209,12 +214,13 @@ def make_optimizer(config: Config, total_updates: int) -> optax.GradientTransfor
       ``--freeze`` pattern matches no parameter.
     """
     lr = _schedule(config, total_updates)
-    factory, kwargs = {
-        "momentum": (optax.sgd, {"momentum": 0.9}),
-        "adam": (optax.adam, {}),
-        "adamw": (optax.adamw, {"weight_decay": 1e-4}),
-    }[config.optimizer]
-    tx = optax.inject_hyperparams(factory)(learning_rate=lr, **kwargs)
+    if config.optimizer == "momentum":
+        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=0.9)
+    elif config.optimizer == "adam":
+        tx = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+    else:  # no weight decay on biases
+        adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
+        tx = adamw(learning_rate=lr, weight_decay=1e-4, mask=gradtools.decay_mask)
     if config.clip_norm is not None:
         tx = optax.chain(gradtools.clip_by_global_norm(config.clip_norm), tx)
     if config.freeze:
