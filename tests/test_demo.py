@@ -8,6 +8,7 @@ through :func:`train_and_evaluate`, once on four devices through the CLI.
 """
 
 import contextlib
+import dataclasses
 import gzip
 import io
 import os
@@ -301,6 +302,16 @@ def test_fresh_run_refuses_a_used_checkpoint_dir(uninterrupted, small):
     config, _ = uninterrupted
     with pytest.raises(ConfigError, match="already holds a checkpoint"):
         train_and_evaluate(_config(checkpoint_dir=config.checkpoint_dir), small)
+
+
+def test_resume_on_other_data_is_an_error(uninterrupted, small):
+    config, _ = uninterrupted
+    fewer = small._replace(
+        train_images=small.train_images[:64], train_labels=small.train_labels[:64]
+    )
+    resume = dataclasses.replace(config, resume=True)
+    with pytest.raises(ConfigError, match="10 steps per epoch, these 64 training digits give 2"):
+        train_and_evaluate(resume, fewer)
 
 
 def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tmp_path):

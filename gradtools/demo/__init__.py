@@ -9,10 +9,10 @@ from Python::
 Needs the ``demo`` extra: ``pip install "gradtools[demo]"``.
 """
 
+from gradtools.demo.config import Config
+from gradtools.demo.config import ConfigError
 from gradtools.demo.data import DataError
 from gradtools.demo.model import LeNet5
-from gradtools.demo.train import Config
-from gradtools.demo.train import ConfigError
 from gradtools.demo.train import Result
 from gradtools.demo.train import train_and_evaluate
 

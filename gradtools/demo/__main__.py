@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gradtools.demo.config import LOSS_SCALES
+from gradtools.demo.config import OPTIMIZERS
+from gradtools.demo.config import SCHEDULES
+from gradtools.demo.config import Config
+from gradtools.demo.config import ConfigError
 from gradtools.demo.data import DataError
 from gradtools.demo.model import DTYPES
-from gradtools.demo.train import LOSS_SCALES
-from gradtools.demo.train import OPTIMIZERS
-from gradtools.demo.train import SCHEDULES
-from gradtools.demo.train import Config
-from gradtools.demo.train import ConfigError
 from gradtools.demo.train import train_and_evaluate
 
 __all__ = ["main", "parser"]

@@ -1,16 +1,8 @@
 """Training and evaluation of LeNet-5 with a gradtools optimizer.
 
 :func:`train_and_evaluate` is the whole demo as a library call (the CLI in
-``__main__`` only parses a :class:`Config`). The optimizer it builds shows
-every gradtools transform at its place in the chain::
-
-  accumulate(                      # --accum-steps: add micro-batch gradients
-    dynamic_loss_scale(            # --loss-scale: unscale, skip a non-finite window
-      freeze(                      # --freeze: zero updates, no state
-        chain(clip_by_global_norm, # --clip-norm
-              inject_hyperparams(sgd | adam | adamw)(learning_rate=schedule)),
-        patterns)),
-    every_k)
+``__main__`` only parses a :class:`Config`); the optimizer comes from
+:func:`gradtools.demo.optim.make_optimizer`.
 
 Training is data-parallel over a one-axis ``jax.sharding.Mesh``: each batch is
 split over the devices and the parameters and optimizer state are replicated,
@@ -21,9 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
-import re
 import sys
 import time
 from typing import Any
@@ -40,77 +29,21 @@ from jax.sharding import PartitionSpec as P
 import gradtools
 from gradtools.demo import data
 from gradtools.demo.checkpoint import Checkpoints
+from gradtools.demo.config import RUN_OPTIONS
+from gradtools.demo.config import Config
+from gradtools.demo.config import ConfigError
+from gradtools.demo.config import resumed
+from gradtools.demo.config import validate
 from gradtools.demo.model import DTYPES
 from gradtools.demo.model import LeNet5
 from gradtools.demo.model import count_params
 from gradtools.demo.model import init_key
+from gradtools.demo.optim import make_optimizer
 
-__all__ = [
-    "LOSS_SCALES",
-    "OPTIMIZERS",
-    "SCHEDULES",
-    "Config",
-    "ConfigError",
-    "Result",
-    "make_optimizer",
-    "train_and_evaluate",
-]
+__all__ = ["Result", "train_and_evaluate"]
 
-OPTIMIZERS = ("momentum", "adam", "adamw")
-SCHEDULES = (
-    "constant",
-    "piecewise_constant",
-    "exponential_decay",
-    "natural_exp_decay",
-    "inverse_time_decay",
-    "cosine_decay",
-    "polynomial_decay",
-    "warmup",
-)
-LOSS_SCALES = ("none", "fixed", "dynamic")
-_DEFAULT_LR = {"momentum": 0.01, "adam": 1e-3, "adamw": 1e-3}
-# Options a resumed run takes from the command line; the rest from the checkpoint.
-_RUN_OPTIONS = ("checkpoint_dir", "resume", "eval_only", "plot", "progress", "devices", "max_steps")
-
-
-class ConfigError(ValueError):
-    """An option has a bad value, or options do not fit together."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Settings of a demo run; the CLI options, one field each.
-
-    ``devices`` and ``max_steps`` have no CLI option: tests and notebooks use
-    them to pick the number of devices and to stop a run early (as if
-    interrupted) after ``max_steps`` micro-batches.
-    """
-
-    epochs: int = 12
-    batch_size: int = 32
-    accum_steps: int = 4
-    optimizer: str = "momentum"
-    lr: float | None = None  # None: 0.01 for momentum, 0.001 for adam and adamw
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    clip_norm: float | None = 5.0
-    loss_scale: str = "dynamic"
-    precision: str = "fp32"
-    freeze: tuple[str, ...] = ()
-    seed: int = 0
-    data_dir: str | None = None
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    eval_only: bool = False
-    plot: str | None = None
-    progress: bool = True
-    devices: int | None = None
-    max_steps: int | None = None
-
-    @property
-    def learning_rate(self) -> float:
-        """``lr``, or the optimizer's default when it is ``None``."""
-        return _DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+# The metrics of each step kept in the history (and so in checkpoints and the plot).
+_RECORDED = ("loss", "learning_rate", "loss_scale", "grad_norm", "skipped_steps")
 
 
 class Result(NamedTuple):
@@ -135,124 +68,11 @@ class Result(NamedTuple):
     plot: str | None
 
 
-def _validate(config: Config, n_devices: int) -> None:
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    for name in ("epochs", "batch_size", "accum_steps"):
-        value = getattr(config, name)
-        need(value >= 1, f"--{name.replace('_', '-')} {value}: must be an integer >= 1")
-    need(config.optimizer in OPTIMIZERS, f"--optimizer {config.optimizer}: not in {OPTIMIZERS}")
-    need(config.schedule in SCHEDULES, f"--schedule {config.schedule}: not in {SCHEDULES}")
-    need(
-        config.loss_scale in LOSS_SCALES, f"--loss-scale {config.loss_scale}: not in {LOSS_SCALES}"
-    )
-    need(config.precision in DTYPES, f"--precision {config.precision}: not in {tuple(DTYPES)}")
-    lr = config.learning_rate
-    need(math.isfinite(lr) and lr > 0, f"--lr {lr}: must be a finite number > 0")
-    need(config.warmup_steps >= 0, f"--warmup-steps {config.warmup_steps}: must be >= 0")
-    need(
-        config.schedule != "warmup" or config.warmup_steps > 0,
-        "--schedule warmup needs --warmup-steps N with N >= 1",
-    )
-    clip = config.clip_norm
-    need(clip is None or (math.isfinite(clip) and clip > 0), f"--clip-norm {clip}: must be > 0")
-    for pattern in config.freeze:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(f"--freeze {pattern!r}: not a regular expression: {e}") from None
-    need(
-        config.devices is None or 1 <= config.devices <= len(jax.devices()),
-        f"devices={config.devices}: this machine has {len(jax.devices())}",
-    )
-    need(
-        config.batch_size % n_devices == 0,
-        f"--batch-size {config.batch_size} does not split over {n_devices} devices: "
-        f"use a multiple of {n_devices}",
-    )
-    if config.plot is not None:
-        folder = os.path.dirname(os.path.abspath(config.plot))
-        need(config.plot.lower().endswith(".png"), f"--plot {config.plot}: must end in .png")
-        need(os.path.isdir(folder), f"--plot {config.plot}: no directory {folder}")
-    need(not (config.resume and config.eval_only), "--resume and --eval-only exclude each other")
-
-
-def _schedule(config: Config, total_updates: int) -> Any:
-    """The learning rate: a float, or a gradtools schedule over ``total_updates``."""
-    lr, warm, name = config.learning_rate, config.warmup_steps, config.schedule
-    if name == "constant" and not warm:
-        return lr
-    s = gradtools.schedules
-    n = max(total_updates - warm, 1)  # the steps after warmup
-    if name == "warmup":
-        return s.warmup(lr, warm)
-    schedule = {
-        "constant": lambda: optax.constant_schedule(lr),
-        "piecewise_constant": lambda: s.piecewise_constant(
-            [max(n // 2, 1), max(3 * n // 4, 2), max(n, 3)], [lr, lr / 10, lr / 100]
-        ),
-        "exponential_decay": lambda: s.exponential_decay(lr, 0.1, n),
-        "natural_exp_decay": lambda: s.natural_exp_decay(lr, math.log(10) / n, 1),
-        "inverse_time_decay": lambda: s.inverse_time_decay(lr, 9.0, n),
-        "cosine_decay": lambda: s.cosine_decay(0.0, lr, n),
-        "polynomial_decay": lambda: s.polynomial_decay(lr, lr / 100, n),
-    }[name]()
-    return s.with_warmup(schedule, warm) if warm else schedule
-
-
-def make_optimizer(config: Config, total_updates: int) -> optax.GradientTransformation:
-    """The gradtools optimizer for ``config`` (see the module docstring).
-
-    Args:
-      config: the run's settings.
-      total_updates: optimizer updates in the whole run, for the schedule.
-
-    Returns:
-      The transformation; its ``init`` raises ``ValueError`` when a
-      ``--freeze`` pattern matches no parameter.
-    """
-    lr = _schedule(config, total_updates)
-    if config.optimizer == "momentum":
-        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=0.9)
-    elif config.optimizer == "adam":
-        tx = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
-    else:  # no weight decay on biases
-        adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
-        tx = adamw(learning_rate=lr, weight_decay=1e-4, mask=gradtools.decay_mask)
-    if config.clip_norm is not None:
-        tx = optax.chain(gradtools.clip_by_global_norm(config.clip_norm), tx)
-    if config.freeze:
-        tx = gradtools.freeze(tx, list(config.freeze))
-    if config.loss_scale == "dynamic":
-        tx = gradtools.dynamic_loss_scale(tx)
-    elif config.loss_scale == "fixed":
-        tx = gradtools.fixed_loss_scale(tx)
-    if config.accum_steps > 1:
-        tx = gradtools.accumulate(tx, config.accum_steps)
-    return tx
-
-
 def _log(message: str) -> None:
     if jax.process_index() == 0:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
-
-
-def _resumed_config(config: Config, saved: dict[str, Any]) -> Config:
-    """The checkpoint's settings, with the run options of ``config``."""
-    saved = {**saved, "freeze": tuple(saved["freeze"])}
-    merged = Config(**{**saved, **{k: getattr(config, k) for k in _RUN_OPTIONS}})
-    ignored = [
-        f"{k}={getattr(config, k)!r}"
-        for k in saved
-        if k not in _RUN_OPTIONS and getattr(config, k) != saved[k]
-    ]
-    if ignored:
-        _log(f"note: continuing with the checkpoint's settings; ignoring {', '.join(ignored)}")
-    return merged
 
 
 def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> Result:
@@ -331,7 +151,7 @@ class _Programs(NamedTuple):
 def _program_key(config: Config) -> Config:
     """``config`` without the fields that do not change what is compiled."""
     defaults = Config()
-    unused = ("seed", "data_dir", *(k for k in _RUN_OPTIONS if k != "devices"))
+    unused = ("seed", "data_dir", *(k for k in RUN_OPTIONS if k != "devices"))
     return dataclasses.replace(config, **{k: getattr(defaults, k) for k in unused})
 
 
@@ -382,7 +202,9 @@ class _Run:
             if latest is None:
                 raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
             meta = self.ckpt.restore_meta(latest)  # type: ignore[union-attr]
-            config = _resumed_config(config, meta["config"])
+            config, ignored = resumed(config, meta["config"])
+            if ignored:
+                _log(f"note: continuing with the checkpoint's settings, not {', '.join(ignored)}")
         elif latest is not None:
             raise ConfigError(
                 f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint (step "
@@ -390,13 +212,19 @@ class _Run:
             )
         self.config = config
         self.devices = jax.devices()[: config.devices]
-        _validate(config, len(self.devices))
+        validate(config, len(self.devices))
         self.ds = ds = dataset if dataset is not None else data.load(config.data_dir)
         self.steps_per_epoch = len(ds.train_labels) // config.batch_size
         if self.steps_per_epoch == 0:
             raise ConfigError(
                 f"--batch-size {config.batch_size} is larger than the "
                 f"{len(ds.train_labels)} training digits"
+            )
+        if meta is not None and meta["steps_per_epoch"] != self.steps_per_epoch:
+            raise ConfigError(
+                f"--checkpoint-dir {config.checkpoint_dir}: the checkpoint has "
+                f"{meta['steps_per_epoch']} steps per epoch, these {len(ds.train_labels):,} "
+                f"training digits give {self.steps_per_epoch}: use the same data"
             )
         self.total_steps = config.epochs * self.steps_per_epoch
         updates_per_epoch = -(-self.steps_per_epoch // config.accum_steps)  # last window flushed
@@ -450,7 +278,11 @@ class _Run:
     def save(self) -> str | None:
         """Checkpoints the run at its current step, if it has a checkpoint directory."""
         if self.ckpt is not None:
-            meta = {"config": dataclasses.asdict(self.config), "history": self.history}
+            meta = {
+                "config": dataclasses.asdict(self.config),
+                "steps_per_epoch": self.steps_per_epoch,
+                "history": self.history,
+            }
             state = {"params": self.params, "opt_state": self.opt_state}
             self.written = self.ckpt.save(self.step, state, meta)
         return self.written
@@ -462,37 +294,30 @@ class _Run:
             stop = min(stop, max(self.config.max_steps, self.step))
         while self.step < stop:
             epoch = self.step // self.steps_per_epoch
-            records = self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
-            history = self.history
-            for key in records[0]:
-                history.setdefault(key, []).extend(r[key] for r in records)
-            history["step"].extend(range(self.step - len(records) + 1, self.step + 1))
+            self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
             if self.step % self.steps_per_epoch == 0:
+                history = self.history
                 accuracy = self.evaluate()
                 train_loss = float(np.mean(history["loss"][-self.steps_per_epoch :]))
                 history["epoch"]["step"].append(self.step)
                 history["epoch"]["train_loss"].append(train_loss)
                 history["epoch"]["test_accuracy"].append(accuracy)
+                last = {k: history[k][-1] for k in _RECORDED if k in history}
+                width = len(str(self.config.epochs))
                 _log(
-                    _epoch_line(
-                        self.config,
-                        epoch,
-                        train_loss,
-                        accuracy,
-                        records[-1],
-                        time.perf_counter() - start,
-                    )
+                    f"epoch {epoch + 1:>{width}}/{self.config.epochs}  "
+                    f"{_status({**last, 'loss': train_loss})}  test acc {accuracy:.2f}%  "
+                    f"[{time.perf_counter() - start:.0f} s]"
                 )
             self.save()
 
-    def _epoch(self, epoch: int, stop: int) -> list[dict[str, float]]:
+    def _epoch(self, epoch: int, stop: int) -> None:
         """Trains the steps of ``epoch`` up to (global) step ``stop``."""
         from tqdm import tqdm
 
         config, per_epoch = self.config, self.steps_per_epoch
-        batches = data.epoch_batches(
-            len(self.ds.train_labels), config.batch_size, config.seed, epoch
-        )
+        n = len(self.ds.train_labels)
+        batches = data.epoch_batches(n, config.batch_size, config.seed, epoch)
         bar = tqdm(
             total=per_epoch,
             initial=self.step - epoch * per_epoch,
@@ -503,27 +328,34 @@ class _Run:
             disable=not config.progress or jax.process_index() != 0,
         )
         records = []
-        while self.step < stop:
-            i = self.step - epoch * per_epoch
-            index = batches[i]
-            update_kwargs = None
-            if config.accum_steps > 1:  # the last batch flushes a partial window
-                update_kwargs = {"flush": np.asarray(i == per_epoch - 1)}
-            self.params, self.opt_state, metrics = self._train_step(
-                self.params,
-                self.opt_state,
-                self.put(data.preprocess(self.ds.train_images[index])),
-                self.put(self.ds.train_labels[index]),
-                update_kwargs=update_kwargs,
-            )
-            self.step += 1
-            records.append(metrics)
-            bar.update()
-            if not bar.disable and (i % 10 == 0 or self.step == stop):
-                bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
-        bar.close()
-        keep = ("loss", "learning_rate", "loss_scale", "grad_norm", "skipped_steps")
-        return [{k: float(v) for k, v in r.items() if k in keep} for r in jax.device_get(records)]
+        try:
+            while self.step < stop:
+                i = self.step - epoch * per_epoch
+                update_kwargs = None
+                if config.accum_steps > 1:  # the last batch flushes a partial window
+                    update_kwargs = {"flush": np.asarray(i == per_epoch - 1)}
+                images, labels = self.ds.train_images[batches[i]], self.ds.train_labels[batches[i]]
+                self.params, self.opt_state, metrics = self._train_step(
+                    self.params,
+                    self.opt_state,
+                    self.put(data.preprocess(images)),
+                    self.put(labels),
+                    update_kwargs=update_kwargs,
+                )
+                self.step += 1
+                records.append(metrics)
+                bar.update()
+                if not bar.disable and (i % 10 == 0 or self.step == stop):
+                    bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
+        finally:  # also on Ctrl-C, so that a checkpoint's history has every step
+            bar.close()
+            records = jax.device_get(records)
+            first = self.step - len(records) + 1
+            self.history["step"].extend(range(first, self.step + 1))
+            for key in _RECORDED:
+                if records and key in records[0]:
+                    values = (float(r[key]) for r in records)
+                    self.history.setdefault(key, []).extend(values)
 
     def describe(self) -> str:
         """Two lines on the model, data, devices and optimizer."""
@@ -555,18 +387,3 @@ def _status(m: dict[str, Any]) -> str:
         parts.append(f"scale {float(m['loss_scale']):g}")
         parts.append(f"skipped {int(m['skipped_steps'])}")
     return "  ".join(parts)
-
-
-def _epoch_line(
-    config: Config,
-    epoch: int,
-    train_loss: float,
-    accuracy: float,
-    last: dict[str, float],
-    elapsed: float,
-) -> str:
-    width = len(str(config.epochs))
-    return (
-        f"epoch {epoch + 1:>{width}}/{config.epochs}  {_status({**last, 'loss': train_loss})}"
-        f"  test acc {accuracy:.2f}%  [{elapsed:.0f} s]"
-    )
