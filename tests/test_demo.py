@@ -222,7 +222,7 @@ BAD_OPTIONS = [
     (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
     (["--epochs", "two"], "invalid int value: 'two'"),
-    (["--clip-norm", "big"], "invalid _clip_norm value: 'big'"),
+    (["--clip-norm", "big"], "--clip-norm: 'big' is not a number or 'none'"),
     (["--epochs", "0"], "--epochs 0: must be an integer >= 1"),
     (["--batch-size", "30"], "--batch-size 30 does not split over 4 devices"),
     (["--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
@@ -327,6 +327,38 @@ def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tm
     _assert_trees_equal(resumed.opt_state, expected.opt_state)
     assert resumed.history == expected.history
     assert resumed.test_accuracy == expected.test_accuracy
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_identically(
+    uninterrupted, small, tmp_path, monkeypatch
+):
+    _, expected = uninterrupted
+    folder = str(tmp_path / "ckpt")
+    calls, preprocess = [], data.preprocess
+
+    def interrupted_preprocess(images):  # the 17th call: step 16 (the 11th is the evaluation)
+        calls.append(None)
+        if len(calls) == 17:
+            raise KeyboardInterrupt
+        return preprocess(images)
+
+    monkeypatch.setattr(data, "preprocess", interrupted_preprocess)
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(_config(checkpoint_dir=folder), small)
+    monkeypatch.undo()
+    assert sorted(os.listdir(folder)) == ["10", "15"]  # after epoch 1, and at Ctrl-C
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
+    _assert_trees_equal(resumed.params, expected.params)
+    _assert_trees_equal(resumed.opt_state, expected.opt_state)
+    assert resumed.history == expected.history
+
+
+def test_cli_exits_130_on_ctrl_c(monkeypatch):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["gradtools.demo.__main__"], "train_and_evaluate", interrupted)
+    assert main(["--no-progress"]) == 130
 
 
 def test_cli_reports_the_run(cli_run, uninterrupted):

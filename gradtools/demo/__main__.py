@@ -44,16 +44,24 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     a = p.add_argument
-    a("--epochs", type=int, default=d.epochs, help="passes over the training digits (%(default)s)")
+    a(
+        "--epochs",
+        type=int,
+        metavar="N",
+        default=d.epochs,
+        help="passes over the training digits (%(default)s)",
+    )
     a(
         "--batch-size",
         type=int,
+        metavar="N",
         default=d.batch_size,
         help="micro-batch size, split over the devices (%(default)s)",
     )
     a(
         "--accum-steps",
         type=int,
+        metavar="K",
         default=d.accum_steps,
         help="micro-batches accumulated per optimizer update (%(default)s)",
     )
@@ -72,18 +80,21 @@ def parser() -> argparse.ArgumentParser:
     a(
         "--schedule",
         choices=SCHEDULES,
+        metavar="NAME",
         default=d.schedule,
         help="learning-rate schedule, see below (%(default)s)",
     )
     a(
         "--warmup-steps",
         type=int,
+        metavar="N",
         default=d.warmup_steps,
         help="updates of linear warmup (%(default)s)",
     )
     a(
         "--clip-norm",
         type=_clip_norm,
+        metavar="X",
         default=d.clip_norm,
         help="clip the global gradient norm to this; 'none' turns it off (%(default)s)",
     )
@@ -106,7 +117,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="REGEX",
         help="do not train params whose name (e.g. params/conv1/kernel) matches; repeatable",
     )
-    a("--seed", type=int, default=d.seed, help="initialisation and shuffling seed (%(default)s)")
+    a(
+        "--seed",
+        type=int,
+        metavar="N",
+        default=d.seed,
+        help="initialisation and shuffling seed (%(default)s)",
+    )
     a(
         "--data-dir",
         metavar="DIR",
@@ -132,7 +149,10 @@ def parser() -> argparse.ArgumentParser:
 def _clip_norm(text: str) -> float | None:
     if text.lower() in ("none", "off"):
         return None
-    return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'none'") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,7 +111,10 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     try:
         run.train(start)
     except KeyboardInterrupt:
-        written = run.save() if run.alive() else None
+        written = None
+        if run.alive():
+            run.record()
+            written = run.save()
         _log(
             f"interrupted at step {run.step:,}"
             + (f"; checkpoint: {written}; continue with --resume" if written else "")
@@ -253,6 +256,7 @@ class _Run:
             self.step, self.history = int(latest), meta["history"]  # type: ignore[arg-type]
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.written: str | None = None
+        self._pending: list[tuple[int, dict[str, jax.Array]]] = []  # steps not in history yet
 
     def put(self, x: np.ndarray) -> jax.Array:
         """A host batch as a global array split over the devices (on every host)."""
@@ -292,24 +296,31 @@ class _Run:
         stop = self.total_steps
         if self.config.max_steps is not None:
             stop = min(stop, max(self.config.max_steps, self.step))
+        self._end_epoch(start)  # in case a run was stopped between an epoch and its report
         while self.step < stop:
             epoch = self.step // self.steps_per_epoch
             self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
-            if self.step % self.steps_per_epoch == 0:
-                history = self.history
-                accuracy = self.evaluate()
-                train_loss = float(np.mean(history["loss"][-self.steps_per_epoch :]))
-                history["epoch"]["step"].append(self.step)
-                history["epoch"]["train_loss"].append(train_loss)
-                history["epoch"]["test_accuracy"].append(accuracy)
-                last = {k: history[k][-1] for k in _RECORDED if k in history}
-                width = len(str(self.config.epochs))
-                _log(
-                    f"epoch {epoch + 1:>{width}}/{self.config.epochs}  "
-                    f"{_status({**last, 'loss': train_loss})}  test acc {accuracy:.2f}%  "
-                    f"[{time.perf_counter() - start:.0f} s]"
-                )
+            self._end_epoch(start)
             self.save()
+
+    def _end_epoch(self, start: float) -> None:
+        """Evaluates and reports at the end of an epoch, once."""
+        history = self.history
+        done = history["epoch"]["step"]
+        if self.step == 0 or self.step % self.steps_per_epoch or (done and done[-1] == self.step):
+            return
+        accuracy = self.evaluate()
+        train_loss = float(np.mean(history["loss"][-self.steps_per_epoch :]))
+        done.append(self.step)
+        history["epoch"]["train_loss"].append(train_loss)
+        history["epoch"]["test_accuracy"].append(accuracy)
+        last = {k: history[k][-1] for k in _RECORDED if k in history}
+        epochs = self.config.epochs
+        _log(
+            f"epoch {self.step // self.steps_per_epoch:>{len(str(epochs))}}/{epochs}  "
+            f"{_status({**last, 'loss': train_loss})}  test acc {accuracy:.2f}%  "
+            f"[{time.perf_counter() - start:.0f} s]"
+        )
 
     def _epoch(self, epoch: int, stop: int) -> None:
         """Trains the steps of ``epoch`` up to (global) step ``stop``."""
@@ -327,7 +338,6 @@ class _Run:
             dynamic_ncols=True,
             disable=not config.progress or jax.process_index() != 0,
         )
-        records = []
         try:
             while self.step < stop:
                 i = self.step - epoch * per_epoch
@@ -343,19 +353,26 @@ class _Run:
                     update_kwargs=update_kwargs,
                 )
                 self.step += 1
-                records.append(metrics)
+                self._pending.append((self.step, metrics))
                 bar.update()
                 if not bar.disable and (i % 10 == 0 or self.step == stop):
                     bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
-        finally:  # also on Ctrl-C, so that a checkpoint's history has every step
+        finally:
             bar.close()
-            records = jax.device_get(records)
-            first = self.step - len(records) + 1
-            self.history["step"].extend(range(first, self.step + 1))
-            for key in _RECORDED:
-                if records and key in records[0]:
-                    values = (float(r[key]) for r in records)
-                    self.history.setdefault(key, []).extend(values)
+        self.record()
+
+    def record(self) -> None:
+        """Moves the metrics of the steps trained since the last call into the history.
+
+        Waits for those steps to finish. Called after each epoch, and on Ctrl-C
+        before the checkpoint is saved.
+        """
+        steps, records = zip(*jax.device_get(self._pending)) if self._pending else ((), ())
+        self.history["step"].extend(steps)
+        for key in _RECORDED:
+            if records and key in records[0]:
+                self.history.setdefault(key, []).extend(float(r[key]) for r in records)
+        self._pending = []
 
     def describe(self) -> str:
         """Two lines on the model, data, devices and optimizer."""
