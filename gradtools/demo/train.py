@@ -206,7 +206,7 @@ class _Run:
                 raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
             meta = self.ckpt.restore_meta(latest)  # type: ignore[union-attr]
             config, ignored = resumed(config, meta["config"])
-            if ignored:
+            if ignored and config.resume:
                 _log(f"note: continuing with the checkpoint's settings, not {', '.join(ignored)}")
         elif latest is not None:
             raise ConfigError(
