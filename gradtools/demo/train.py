@@ -54,7 +54,8 @@ class Result(NamedTuple):
       opt_state: the optimizer state.
       step: micro-batches trained so far.
       test_accuracy: accuracy on the test digits, in percent.
-      history: per-step and per-epoch metrics (see :func:`plot_history`).
+      history: per-step and per-epoch metrics (as
+        :func:`gradtools.demo.plot.plot_history` takes them).
       checkpoint: the directory of the last checkpoint written, or ``None``.
       plot: the PNG written, or ``None``.
     """
@@ -121,7 +122,7 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
         )
         raise
     stopped = run.step < run.total_steps
-    accuracy = float("nan") if stopped else run.evaluate()
+    accuracy = float("nan") if stopped else run.history["epoch"]["test_accuracy"][-1]
     plot = None
     if config.plot and jax.process_index() == 0:
         from gradtools.demo.plot import plot_history
@@ -133,7 +134,8 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     else:
         _log(
             f"test accuracy {accuracy:.2f}% ({len(run.ds.test_labels):,} digits) after "
-            f"{config.epochs} epochs ({run.step:,} steps) in {elapsed:.1f} s"
+            f"{config.epochs} epoch{'s' * (config.epochs != 1)} ({run.step:,} steps) "
+            f"in {elapsed:.1f} s"
         )
     _log(f"checkpoint: {run.written or 'not saved (pass --checkpoint-dir DIR)'}")
     if plot:
@@ -238,8 +240,10 @@ class _Run:
         key = init_key(config.seed)
         try:
             template = jax.eval_shape(programs.init, key)
-        except ValueError as e:  # a --freeze pattern that matches no parameter
-            raise ConfigError(f"--freeze: {e}") from None
+        except ValueError as e:
+            if not config.freeze:
+                raise
+            raise ConfigError(f"--freeze: {e}") from None  # a pattern that matches nothing
         if meta is None:
             state = programs.init(key)
             self.step = 0
