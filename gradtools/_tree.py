@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["distinct_zeros", "scale_f32", "zeros_like_shapes"]
+__all__ = ["scale_f32", "zeros_like_shapes"]
 
 
 def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
@@ -29,12 +29,7 @@ def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
 
 
 def zeros_like_shapes(shapes: Any) -> Any:
-    """Zeros for a pytree of arrays or ``jax.ShapeDtypeStruct``s."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def distinct_zeros(shapes: Any) -> Any:
-    """Zeros like ``zeros_like_shapes``, each leaf its own computation.
+    """Zeros for a pytree of arrays or ``jax.ShapeDtypeStruct``s, one computation a leaf.
 
     XLA merges identical ``broadcast(0)``s of leaves that share a shape and
     dtype; when they leave a ``lax.cond`` branch as separate outputs, XLA:CPU

@@ -214,7 +214,7 @@ def accumulate(
             else:
 
                 def skip(grads):
-                    zeros = _tree.distinct_zeros(jax.eval_shape(apply, grads)[0])
+                    zeros = _tree.zeros_like_shapes(jax.eval_shape(apply, grads)[0])
                     return zeros, state.inner_state
 
                 new_updates, inner_state = lax.cond(take, apply, skip, updates)
@@ -250,7 +250,7 @@ def accumulate(
 
         def hold(acc):
             del acc
-            return _tree.distinct_zeros(jax.eval_shape(emit, acc_grads)[0]), state.inner_state
+            return _tree.zeros_like_shapes(jax.eval_shape(emit, acc_grads)[0]), state.inner_state
 
         # hold is branch 0: XLA then forwards the untouched inner state without copies.
         new_updates, inner_state = lax.cond(closes & (window_weight > 0), emit, hold, acc_grads)
