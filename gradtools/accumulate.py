@@ -193,6 +193,9 @@ def accumulate(
         )
 
     def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
+        _tree.check_like("accumulate", updates, params)
+        if every_k > 1:
+            _tree.check_like("accumulate", updates, state.acc_grads, "acc_grads (from init)")
         flush = _flush_flag(flush)
         # take: whether this micro-batch's gradients enter the window (None: always).
         finite = all_finite(updates) if skip_nonfinite else None

@@ -84,6 +84,7 @@ _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array
 
 
 def _loss_scaler(
+    caller: str,
     inner: optax.GradientTransformation,
     init_scale: Any,
     adjust: _Adjust,
@@ -103,6 +104,7 @@ def _loss_scaler(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
+        _tree.check_like(caller, updates, params)
         grads = _tree.scale_f32(updates, 1.0 / state.loss_scale, params)
         finite = all_finite(grads)
         if axis_name is not None:
@@ -231,7 +233,7 @@ def dynamic_loss_scale(
         good_steps = jnp.where(finite & ~grow, good_steps, 0)
         return scale, good_steps
 
-    return _loss_scaler(inner, init_scale, adjust, True, axis_name)
+    return _loss_scaler("dynamic_loss_scale", inner, init_scale, adjust, True, axis_name)
 
 
 def fixed_loss_scale(
@@ -287,7 +289,7 @@ def fixed_loss_scale(
     def adjust(scale, good_steps, finite):
         return scale, jnp.where(finite, optax.safe_increment(good_steps), 0)
 
-    return _loss_scaler(inner, scale, adjust, skip_nonfinite, axis_name)
+    return _loss_scaler("fixed_loss_scale", inner, scale, adjust, skip_nonfinite, axis_name)
 
 
 def _find_state(opt_state: optax.OptState, caller: str) -> LossScaleState:

@@ -1,0 +1,55 @@
+"""Bad input gets a clear error that names the argument, never a crash deep inside JAX."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import gradtools
+
+PARAMS = {"a": jnp.ones(2), "b": {"c": jnp.ones(3)}}
+
+# Transforms that read the params (to cast, split or mirror them), by the name in their errors.
+WITH_PARAMS = {
+    "dynamic_loss_scale": lambda: gradtools.dynamic_loss_scale(optax.adam(0.1)),
+    "fixed_loss_scale": lambda: gradtools.fixed_loss_scale(optax.adam(0.1)),
+    "accumulate": lambda: gradtools.accumulate(optax.adam(0.1), 2),
+    "param_groups": lambda: gradtools.param_groups([("a", optax.sgd(0.1))], optax.adam(0.1)),
+    "freeze": lambda: gradtools.freeze(optax.adam(0.1), "a"),
+}
+MISMATCHED = {  # (grads, params, a leaf path the message must name)
+    "grads_lack_a_leaf": ({"a": jnp.ones(2), "b": {}}, PARAMS, "['b']['c']"),
+    "grads_have_an_extra_leaf": ({**PARAMS, "d": jnp.ones(1)}, PARAMS, "['d']"),
+    "grads_are_a_list": ([jnp.ones(2), jnp.ones(3)], PARAMS, "['a']"),
+    "params_of_another_model": (PARAMS, {"a": jnp.ones(2), "x": {"c": jnp.ones(3)}}, "['x']['c']"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHED))
+@pytest.mark.parametrize("name", sorted(WITH_PARAMS))
+def test_mismatched_trees_name_both_structures_at_trace_time(name, case):
+    grads, params, path = MISMATCHED[case]
+    tx = WITH_PARAMS[name]()
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=f"{name}: the updates and the params differ") as err:
+        jax.jit(tx.update)(grads, state, params)
+    message = str(err.value)
+    assert path in message
+    assert "updates: PyTreeDef(" in message and "params: PyTreeDef(" in message
+
+
+def test_accumulate_without_params_checks_grads_against_its_buffer():
+    tx = gradtools.accumulate(optax.sgd(0.1), 2)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=re.escape("acc_grads (from init)")):
+        jax.jit(tx.update)({"a": jnp.ones(2)}, state)
+
+
+def test_matching_trees_with_none_and_masked_nodes_pass():
+    params = {"a": jnp.ones(2), "n": None, "e": {}, "m": optax.MaskedNode()}
+    for make in WITH_PARAMS.values():
+        tx = make()
+        updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
+        assert jax.tree.structure(updates) == jax.tree.structure(params)
