@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import jax.core as jax_core
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "one_of",
     "positive_int",
     "regex",
+    "static",
     "traced",
 ]
 
@@ -36,6 +38,15 @@ __all__ = [
 def traced(value: Any) -> bool:
     """Whether ``value`` is a tracer (its value is unknown until run time)."""
     return isinstance(value, jax_core.Tracer)
+
+
+def static(name: str, value: Any, why: str) -> None:
+    """Checks that ``value`` is not traced; ``why`` says what it decides."""
+    if traced(value):
+        raise ValueError(
+            f"{name}={value!r} cannot be traced: {why}. Under optax.inject_hyperparams, "
+            f"name {name!r} in static_args."
+        )
 
 
 def _real(name: str, value: Any) -> float:
@@ -117,7 +128,13 @@ def regex(name: str, value: Any) -> re.Pattern[str]:
 
 
 def float_dtype(name: str, value: Any) -> None:
-    """Checks that ``value`` names a floating-point dtype."""
+    """Checks that ``value`` names a floating-point dtype (an array does not)."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        # optax.inject_hyperparams turns the callable jnp.float32 into a schedule.
+        raise ValueError(
+            f"{name}={value!r} must be a floating dtype, e.g. jnp.float32, not an array. "
+            f"Under optax.inject_hyperparams, name {name!r} in static_args."
+        )
     try:
         dtype = None if value is None else np.dtype(value)
     except TypeError:

@@ -152,7 +152,9 @@ def accumulate(
       TypeError: if ``inner`` is not a GradientTransformation.
       ValueError: if ``every_k`` is not an int >= 1, ``average`` is not a bool,
         ``dtype`` is not a floating dtype or ``on_nonfinite`` is unknown; at
-        trace time, if ``weight`` or ``flush`` is not a scalar.
+        trace time, if ``weight`` or ``flush`` is not a scalar, or ``every_k``
+        is traced (under ``optax.inject_hyperparams``, pass
+        ``static_args=('every_k', 'dtype')``).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -173,6 +175,7 @@ def accumulate(
       accumulation with ``accu_overflow`` under a loss scaler.
     """
     _checks.is_transform("inner", inner)
+    _checks.static("every_k", every_k, "it decides the structure of the state")
     _checks.positive_int("every_k", every_k)
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)

@@ -53,3 +53,19 @@ def test_matching_trees_with_none_and_masked_nodes_pass():
         tx = make()
         updates, _ = jax.jit(tx.update)(params, tx.init(params), params)
         assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+def test_accumulate_under_inject_hyperparams_says_what_to_make_static():
+    params = {"w": jnp.ones(2)}
+    inject = optax.inject_hyperparams
+    # dtype=jnp.float32 is callable: inject_hyperparams would evaluate it as a schedule.
+    with pytest.raises(ValueError, match=r"dtype=Array\(0\..*name 'dtype' in static_args"):
+        inject(gradtools.accumulate, static_args="every_k")(optax.sgd(0.1), 2).init(params)
+    tx = inject(gradtools.accumulate, static_args="dtype")(optax.sgd(0.1), every_k=2)
+    with pytest.raises(ValueError, match=r"every_k=.* cannot be traced.*'every_k' in static_args"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+    tx = inject(gradtools.accumulate, static_args=("every_k", "dtype"))(optax.sgd(1.0), every_k=2)
+    update, state = jax.jit(tx.update), tx.init(params)
+    u, state = update(params, state, params)
+    u, state = update(params, state, params)
+    assert u["w"].tolist() == [-1.0, -1.0]
