@@ -50,6 +50,8 @@ def static(name: str, value: Any, why: str) -> None:
 
 
 def _real(name: str, value: Any) -> float:
+    if isinstance(value, (str, bytes)):  # float('1e-3') would accept them
+        raise ValueError(f"{name}={value!r} must be a real number, not a string")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         try:
             value = float(value)  # numpy and jax scalars

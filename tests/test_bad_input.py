@@ -69,3 +69,20 @@ def test_accumulate_under_inject_hyperparams_says_what_to_make_static():
     u, state = update(params, state, params)
     u, state = update(params, state, params)
     assert u["w"].tolist() == [-1.0, -1.0]
+
+
+NUMBER_AS_STRING = [
+    ("scale", lambda: gradtools.fixed_loss_scale(optax.sgd(0.1), "1024")),
+    ("init_scale", lambda: gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale="256")),
+    ("max_norm", lambda: gradtools.clip_by_global_norm("1.0")),
+    ("learning_rate", lambda: gradtools.schedules.exponential_decay("0.1", 0.9, 2)),
+    ("power", lambda: gradtools.schedules.polynomial_decay(0.1, 0.0, 4, "2")),
+    ("init_value", lambda: gradtools.schedules.with_warmup(optax.constant_schedule(0.1), 2, "0")),
+]
+
+
+@pytest.mark.parametrize("name, build", NUMBER_AS_STRING, ids=[n for n, _ in NUMBER_AS_STRING])
+def test_numbers_given_as_strings_are_rejected(name, build):
+    """float('1e-3') parses, but a string hyperparameter would fail later, inside JAX."""
+    with pytest.raises(ValueError, match=f"{name}='.*' must be a real number, not a string"):
+        build()
