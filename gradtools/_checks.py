@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Hashable
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,9 +25,13 @@ __all__ = [
     "finite_non_negative",
     "finite_positive",
     "float_dtype",
+    "floating",
+    "hashable",
     "in_open_interval",
     "is_bool",
     "is_transform",
+    "numeric",
+    "numeric_leaves",
     "one_of",
     "positive_int",
     "regex",
@@ -143,3 +148,35 @@ def float_dtype(name: str, value: Any) -> None:
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{name}={value!r} must be a floating dtype, e.g. jnp.float32")
+
+
+def hashable(name: str, value: Any) -> None:
+    """Checks that ``value`` is ``None`` or hashable, as axis names must be."""
+    if value is not None and not isinstance(value, Hashable):
+        raise TypeError(f"{name}={value!r} must be a hashable axis name, e.g. 'batch', or None")
+
+
+def numeric(x: Any) -> bool:
+    """Whether ``x`` is a number, or a numeric or bool array (or tracer)."""
+    if isinstance(x, (bool, int, float, complex)):
+        return True
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return bool(jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))
+
+
+def floating(caller: str, name: str, value: Any) -> None:
+    """Checks that ``value`` is a floating-point number or array (or tracer)."""
+    if not (numeric(value) and jnp.issubdtype(jnp.result_type(value), jnp.floating)):
+        raise TypeError(f"{caller}: {name}={value!r} must be a floating-point number or array")
+
+
+def numeric_leaves(caller: str, name: str, tree: Any) -> list[Any]:
+    """The leaves of ``tree``, each checked to be a numeric array (or tracer) or number."""
+    pairs = jax.tree_util.tree_leaves_with_path(tree)
+    for path, x in pairs:
+        if not numeric(x):
+            raise TypeError(
+                f"{caller}: {name}{jax.tree_util.keystr(path)}={x!r} must be a numeric array"
+            )
+    return [x for _, x in pairs]

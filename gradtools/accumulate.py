@@ -61,6 +61,8 @@ class AccumulateState(NamedTuple):
 
 def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
     """The float32 weight of one micro-batch and whether it counts (finite, > 0)."""
+    if not _checks.numeric(weight):
+        raise ValueError(f"weight={weight!r} must be a scalar number (the micro-batch's weight)")
     w = jnp.asarray(weight).astype(jnp.float32)
     if w.shape != ():
         raise ValueError(f"weight must be a scalar, got an array of shape {w.shape}")
@@ -69,8 +71,8 @@ def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def _flush_flag(flush: Any) -> jax.Array:
-    flag = jnp.asarray(flush)
-    if flag.shape != () or flag.dtype != jnp.bool_:
+    flag = jnp.asarray(flush) if _checks.numeric(flush) else None
+    if flag is None or flag.shape != () or flag.dtype != jnp.bool_:
         raise ValueError(f"flush must be a scalar bool (Python or traced), got {flush!r}")
     return flag
 

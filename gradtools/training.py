@@ -48,6 +48,7 @@ def train_step(
     Raises:
       TypeError: if ``loss_fn`` is not callable or ``tx`` is not a
         GradientTransformation.
+      ValueError: if ``has_aux`` is not a bool.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -65,6 +66,7 @@ def train_step(
     if not callable(loss_fn):
         raise TypeError(f"{loss_fn=} must be callable: loss_fn(params, *args) -> loss")
     _checks.is_transform("tx", tx)
+    _checks.is_bool("has_aux", has_aux)
 
     def step(params, opt_state, *args, **kwargs):
         scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
