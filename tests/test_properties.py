@@ -86,6 +86,13 @@ OPTIMIZERS = {
 }
 
 
+# One wrapped optimizer and one compiled update per name, shared by all examples.
+SCALED = {
+    name: gradtools.dynamic_loss_scale(opt, init_scale=4.0) for name, opt in OPTIMIZERS.items()
+}
+SCALED_UPDATE = {name: jax.jit(tx.update) for name, tx in SCALED.items()}
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     name=st.sampled_from(sorted(OPTIMIZERS)),
@@ -95,11 +102,10 @@ OPTIMIZERS = {
     seed=st.integers(0, 2**16),
 )
 def test_skipped_step_changes_nothing(name, history, bad_leaf, bad_value, seed):
-    tx = gradtools.dynamic_loss_scale(OPTIMIZERS[name], init_scale=4.0)
+    tx, update = SCALED[name], SCALED_UPDATE[name]
     rng = np.random.default_rng(seed)
     params = {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.ones(2)}
     state = tx.init(params)
-    update = _jitted_update(tx)
     for _ in range(history):
         g = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
         updates, state = update(g, state, params)
@@ -111,16 +117,6 @@ def test_skipped_step_changes_nothing(name, history, bad_leaf, bad_value, seed):
     chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
     chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
     assert int(new_state.skipped_steps) == int(state.skipped_steps) + 1
-
-
-_UPDATES = {}
-
-
-def _jitted_update(tx):
-    key = id(tx)
-    if key not in _UPDATES:
-        _UPDATES[key] = jax.jit(tx.update)
-    return _UPDATES[key]
 
 
 def test_soak_100k_steps_with_one_percent_overflow():
