@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -65,6 +64,8 @@ class AccumulateState(NamedTuple):
 
 def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
     """The float32 weight of one micro-batch and whether it counts (finite, > 0)."""
+    if not _checks.numeric(weight):
+        raise ValueError(f"weight={weight!r} must be a scalar number (the micro-batch's weight)")
     w = jnp.asarray(weight).astype(jnp.float32)
     if w.shape != ():
         raise ValueError(f"weight must be a scalar, got an array of shape {w.shape}")
@@ -73,8 +74,8 @@ def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def _flush_flag(flush: Any) -> jax.Array:
-    flag = jnp.asarray(flush)
-    if flag.shape != () or flag.dtype != jnp.bool_:
+    flag = jnp.asarray(flush) if _checks.numeric(flush) else None
+    if flag is None or flag.shape != () or flag.dtype != jnp.bool_:
         raise ValueError(f"flush must be a scalar bool (Python or traced), got {flush!r}")
     return flag
 
@@ -95,19 +96,18 @@ def _emit_or_hold(
     the selection into the caller's ``apply_updates``. Returning the updates
     as a branch output instead makes them a parameter-sized temporary, which
     a micro-step must fill with zeros and which XLA:CPU maps (and faults in)
-    afresh on every call. Leaves the buffer cannot hold exactly (another
-    shape, or a dtype wider than the buffer's) still leave the branch as
-    outputs of their own.
+    afresh on every call. Updates of another shape or dtype than the buffer
+    (bf16 params with a float32 buffer, say) still leave the branch as outputs
+    of their own: a cast in and out of the buffer would be exact, but XLA may
+    skip the rounding in between, which would make the stale buffer differ
+    between jitted and op-by-op runs.
     """
     shapes = jax.eval_shape(emit, acc)[0]
     acc_leaves, acc_def = jax.tree.flatten(acc)
     u_leaves, u_def = jax.tree.flatten(shapes)
     stash = [False] * len(u_leaves)
     if u_def == acc_def:
-        stash = [
-            u.shape == a.shape and np.can_cast(u.dtype, dtype, casting="safe")
-            for u, a in zip(u_leaves, acc_leaves)
-        ]
+        stash = [u.shape == a.shape and u.dtype == dtype for u, a in zip(u_leaves, acc_leaves)]
     own = [u for u, ok in zip(u_leaves, stash) if not ok]
 
     def emit_branch(acc):
@@ -211,7 +211,9 @@ def accumulate(
       TypeError: if ``inner`` is not a GradientTransformation.
       ValueError: if ``every_k`` is not an int >= 1, ``average`` is not a bool,
         ``dtype`` is not a floating dtype or ``on_nonfinite`` is unknown; at
-        trace time, if ``weight`` or ``flush`` is not a scalar.
+        trace time, if ``weight`` or ``flush`` is not a scalar, or ``every_k``
+        is traced (under ``optax.inject_hyperparams``, pass
+        ``static_args=('every_k', 'dtype')``).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -232,6 +234,7 @@ def accumulate(
       accumulation with ``accu_overflow`` under a loss scaler.
     """
     _checks.is_transform("inner", inner)
+    _checks.static("every_k", every_k, "it decides the structure of the state")
     _checks.positive_int("every_k", every_k)
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)
@@ -252,6 +255,9 @@ def accumulate(
         )
 
     def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
+        _tree.check_like("accumulate", updates, params)
+        if every_k > 1:
+            _tree.check_like("accumulate", updates, state.acc_grads, "acc_grads (from init)")
         flush = _flush_flag(flush)
         # take: whether this micro-batch's gradients enter the window (None: always).
         finite = all_finite(updates) if skip_nonfinite else None
