@@ -225,7 +225,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--out", help=f"write the Markdown report here (default {RESULTS} unless --quick)"
     )
     p.add_argument("--json", help="also write every row as JSON here")
+    p.add_argument(
+        "--from-json",
+        help="run nothing: render the report of a run saved with --json (e.g. after editing "
+        "benchmarks/ANALYSIS.md)",
+    )
     args = p.parse_args(argv)
+
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        text = report.render(results)
+        out = args.out or str(RESULTS)
+        Path(out).write_text(text)
+        print(f"wrote {out}")
+        return results
 
     base = QUICK if args.quick else Config()
     changes: dict[str, Any] = {}
