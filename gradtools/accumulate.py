@@ -13,17 +13,20 @@ window on the (weighted) mean, so ``k`` micro-batches give the step one batch
         params = optax.apply_updates(params, updates)   # zeros on micro-steps
 
 Unlike ``optax.MultiSteps``, a micro-step does no optimizer work: it reads the
-buffer and the gradients and writes the buffer and the zero updates; the inner
-update runs under ``lax.cond`` only when a window closes.
+buffer and the gradients and writes the buffer; its zero updates are a
+selection that XLA fuses into ``apply_updates``. The inner update runs under
+``lax.cond`` only when a window closes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -48,7 +51,8 @@ class AccumulateState(NamedTuple):
       acc_grads: the weighted sum of the open window's gradients, in the
         accumulation ``dtype`` (empty when ``every_k=1``). While
         ``micro_step`` is 0 it is stale (it may still hold the last closed
-        window) and is never read: the next micro-step replaces it.
+        window, or the updates that window produced) and is never read: the
+        next micro-step replaces it.
       inner_state: the state of the wrapped transformation.
     """
 
@@ -75,6 +79,60 @@ def _flush_flag(flush: Any) -> jax.Array:
     if flag is None or flag.shape != () or flag.dtype != jnp.bool_:
         raise ValueError(f"flush must be a scalar bool (Python or traced), got {flush!r}")
     return flag
+
+
+def _emit_or_hold(
+    emitting: jax.Array,
+    emit: Callable[[Any], tuple[Any, Any]],
+    acc: Any,
+    inner_state: Any,
+    dtype: Any,
+) -> tuple[Any, Any, Any]:
+    """``lax.cond(emitting, emit, hold)``; returns ``(updates, acc, inner_state)``.
+
+    The updates ``emit`` computes leave the branch in the accumulation buffer
+    itself, which is stale once the window closes, and are selected outside
+    it: ``updates = where(emitting, buffer, 0)``. A micro-step then forwards
+    the buffer and the inner state untouched and writes nothing, and XLA fuses
+    the selection into the caller's ``apply_updates``. Returning the updates
+    as a branch output instead makes them a parameter-sized temporary, which
+    a micro-step must fill with zeros and which XLA:CPU maps (and faults in)
+    afresh on every call. Leaves the buffer cannot hold exactly (another
+    shape, or a dtype wider than the buffer's) still leave the branch as
+    outputs of their own.
+    """
+    shapes = jax.eval_shape(emit, acc)[0]
+    acc_leaves, acc_def = jax.tree.flatten(acc)
+    u_leaves, u_def = jax.tree.flatten(shapes)
+    stash = [False] * len(u_leaves)
+    if u_def == acc_def:
+        stash = [
+            u.shape == a.shape and np.can_cast(u.dtype, dtype, casting="safe")
+            for u, a in zip(u_leaves, acc_leaves)
+        ]
+    own = [u for u, ok in zip(u_leaves, stash) if not ok]
+
+    def emit_branch(acc):
+        updates, new_inner = emit(acc)
+        done, buffers = u_def.flatten_up_to(updates), jax.tree.leaves(acc)
+        if any(stash):
+            buffers = [u.astype(dtype) if ok else b for u, b, ok in zip(done, buffers, stash)]
+        return buffers, [u for u, ok in zip(done, stash) if not ok], new_inner
+
+    def hold_branch(acc):
+        return jax.tree.leaves(acc), _tree.zeros_like_shapes(own), inner_state
+
+    # hold is branch 0: XLA then forwards the buffer and inner state without copies.
+    buffers, extra, inner_state = lax.cond(emitting, emit_branch, hold_branch, acc)
+    out = list(extra)
+    if any(stash):
+        rest = iter(extra)
+        zero = [jnp.zeros([], u.dtype) for u in u_leaves]
+        out = [
+            jnp.where(emitting, b.astype(u.dtype), z) if ok else next(rest)
+            for b, u, z, ok in zip(buffers, u_leaves, zero, stash)
+        ]
+    return jax.tree.unflatten(u_def, out), jax.tree.unflatten(acc_def, buffers), inner_state
 
 
 def accumulate(
@@ -105,9 +163,10 @@ def accumulate(
         updates = zeros                                  # a micro-step
 
     The branch is a ``lax.cond``, so a micro-step does no optimizer work: it
-    reads the buffer and the gradients once and writes the buffer and the zero
-    updates. The buffer is cleared by selection, never by multiplying it with 0
-    (which would keep a NaN forever); to save a pass, the clearing happens in
+    reads the buffer and the gradients once and writes the buffer, and its
+    zero updates cost nothing until ``apply_updates`` reads them. The buffer
+    is cleared by selection, never by multiplying it with 0 (which would keep
+    a NaN forever); to save a pass, the clearing happens in
     the add of the next window's first micro-step. ``g`` is handed to
     ``inner`` in the dtype of the matching param (of the gradient when
     ``params`` is None); updates, zero or not, come back in the dtype ``inner``
@@ -132,8 +191,10 @@ def accumulate(
     count towards ``every_k`` and is counted in ``dropped_micro_steps``.
 
     **every_k=1** is exactly ``inner`` (bit for bit): no buffer is kept and the
-    gradients go to ``inner`` untouched; only a weight that is not > 0 or (with
-    ``"skip_microstep"``) non-finite gradients skip the step, as above. The
+    gradients go to ``inner`` untouched (with ``average=False`` and a
+    ``weight``, multiplied by it: the weighted sum of one micro-batch); only a
+    weight that is not > 0 or (with ``"skip_microstep"``) non-finite gradients
+    skip the step, as above. The
     state is still an :class:`AccumulateState`, so ``metrics()`` reads it alike.
 
     Args:
@@ -217,6 +278,8 @@ def accumulate(
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         if every_k == 1:
+            if w is not None and not average:  # the weighted sum of one micro-batch
+                updates = _tree.scale_f32(updates, w, updates)
             if take is None:
                 new_updates, inner_state = apply(updates)
             else:
@@ -256,12 +319,9 @@ def accumulate(
             div = window_weight.astype(dtype) if average else jnp.ones([], dtype)
             return apply(jax.tree.map(lambda a, p: (a / div).astype(p.dtype), acc, like))
 
-        def hold(acc):
-            del acc
-            return _tree.zeros_like_shapes(jax.eval_shape(emit, acc_grads)[0]), state.inner_state
-
-        # hold is branch 0: XLA then forwards the untouched inner state without copies.
-        new_updates, inner_state = lax.cond(closes & (window_weight > 0), emit, hold, acc_grads)
+        new_updates, acc_grads, inner_state = _emit_or_hold(
+            closes & (window_weight > 0), emit, acc_grads, state.inner_state, dtype
+        )
         new_state = AccumulateState(
             micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
             window_weight=jnp.where(closes, jnp.zeros([], jnp.float32), window_weight),

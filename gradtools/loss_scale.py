@@ -78,9 +78,36 @@ def all_finite(tree: Any) -> jax.Array:
       False
     """
     leaves = _checks.numeric_leaves("all_finite", "tree", tree)
-    if not leaves:
+    flags = [_leaf_finite(jnp.asarray(x)) for x in leaves]
+    if not flags:
         return jnp.array(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+    return jnp.stack(flags).all()
+
+
+def _leaf_finite(x: jax.Array) -> jax.Array:
+    """``isfinite(x).all()`` as one float reduction: ``isfinite(sum(x - x))``.
+
+    ``x - x`` is 0 for finite ``x`` and NaN for inf or NaN, and a NaN survives
+    any summation order. XLA:CPU fuses the producer of ``x`` (the unscaling)
+    into this float sum and reads ``x`` once, where ``isfinite(x).all()``
+    writes a bool array and reduces it in several more passes.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.array(True)
+    return jnp.isfinite(jnp.sum(x - x))
+
+
+def _unscale(updates: Any, factors: list[jax.Array], params: Any) -> Any:
+    """``updates * factor`` in float32, cast to each param's dtype (float32 without params)."""
+    leaves, treedef = jax.tree.flatten(updates)
+    if params is None:
+        out = [g.astype(jnp.float32) * f for g, f in zip(leaves, factors)]
+    else:
+        like = treedef.flatten_up_to(params)
+        out = [
+            (g.astype(jnp.float32) * f).astype(p.dtype) for g, f, p in zip(leaves, factors, like)
+        ]
+    return jax.tree.unflatten(treedef, out)
 
 
 _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -108,12 +135,17 @@ def _loss_scaler(
 
     def update_fn(updates, state, params=None, **extra_args):
         _tree.check_like(caller, updates, params)
-        grads = _tree.scale_f32(updates, 1.0 / state.loss_scale, params)
-        finite = all_finite(grads)
+        # The unscaled gradients are never stored: they are recomputed inside the
+        # finiteness reduction and inside inner's own fusions (one scalar per leaf,
+        # see _tree.distinct_scalars). Storing them costs a parameter-sized write
+        # and read, and on XLA:CPU a temporary buffer faulted in on every step.
+        factors = _tree.distinct_scalars(1.0 / state.loss_scale, jax.tree.leaves(updates))
+        finite = all_finite(_unscale(updates, factors, params))
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
         def apply(_):
+            grads = _unscale(updates, factors, params)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         if skip_nonfinite:

@@ -162,6 +162,15 @@ def dtypes(tree):
     return jax.tree.map(lambda x: jnp.asarray(x).dtype, tree)
 
 
+def _without_stale_buffers(tree):
+    def drop(s):
+        if isinstance(s, gradtools.AccumulateState) and not np.any(np.asarray(s.micro_step)):
+            return s._replace(acc_grads=None)
+        return s
+
+    return jax.tree.map(drop, tree, is_leaf=lambda x: isinstance(x, gradtools.AccumulateState))
+
+
 def assert_same(actual, expected, *, exact=True):
     """Same structure, same dtypes, same values (bit for bit unless ``exact=False``)."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
@@ -170,6 +179,9 @@ def assert_same(actual, expected, *, exact=True):
         chex.assert_trees_all_equal(actual, expected, strict=True)
         return
     # Fused and unfused code may round differently: allow a few ulps of each dtype.
+    # A closed window's buffer is stale and never read (AccumulateState's docs),
+    # so only exact comparisons look at it.
+    actual, expected = _without_stale_buffers(actual), _without_stale_buffers(expected)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
         a, b = np.asarray(a), np.asarray(b)
         if not np.issubdtype(a.dtype, np.inexact):

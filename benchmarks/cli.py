@@ -1,0 +1,230 @@
+"""``python -m benchmarks``: run the sections, print the tables, write RESULTS.md."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+
+__all__ = ["Config", "main", "parse_count", "run"]
+
+SECTIONS = ("update", "compile", "memory", "lenet")
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What to run. The defaults are the full run that RESULTS.md records."""
+
+    sections: tuple[str, ...] = SECTIONS
+    sizes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20)
+    leaves: tuple[int, ...] = (8, 1000)
+    groups: tuple[str, ...] | None = None
+    match: str | None = None
+    reps: int = 7
+    sample_s: float = 0.05
+    compile_leaves: tuple[int, ...] = (8, 100, 200, 1000)
+    compile_reps: int = 1
+    compile_params: int = 1 << 20
+    select_max_leaves: int = 200
+    compile_budget_s: float = 300.0
+    memory_params: int = 16 << 20
+    memory_leaves: int = 8
+    lenet_batch: int = 256
+    lenet_reps: int = 7
+    quick: bool = False
+
+
+QUICK = Config(
+    sizes=(1 << 16,),
+    leaves=(4, 16),
+    reps=2,
+    sample_s=0.0,
+    compile_leaves=(2, 8),
+    compile_params=1 << 12,
+    select_max_leaves=8,
+    memory_params=1 << 16,
+    memory_leaves=4,
+    lenet_batch=8,
+    lenet_reps=2,
+    quick=True,
+)
+
+
+def parse_count(text: str) -> int:
+    """'64M' -> 67108864, '16K' -> 16384, '1000' -> 1000."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("gradtools", "jax", "jaxlib", "optax", "flax", "jmp", "numpy", "torch"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            if pkg == "gradtools":
+                import gradtools
+
+                out[pkg] = gradtools.__version__
+            else:
+                out[pkg] = "not installed"
+    return out
+
+
+def run(config: Config, log: Callable[[str], None] = print, command: str = "") -> dict[str, Any]:
+    """Runs the configured sections; returns every row, the notes and the metadata."""
+    unknown = set(config.sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    results: dict[str, Any] = {"notes": []}
+    if "update" in config.sections:
+        from benchmarks.update import run_update
+
+        results["update"], notes = run_update(
+            config.sizes,
+            config.leaves,
+            config.reps,
+            groups=config.groups,
+            match=config.match,
+            select_max_leaves=config.select_max_leaves,
+            sample_s=config.sample_s,
+            log=log,
+        )
+        results["notes"] += notes
+    if "compile" in config.sections:
+        from benchmarks.compile_time import run_compile
+
+        results["compile"], notes = run_compile(
+            config.compile_leaves,
+            config.compile_reps,
+            n_params=config.compile_params,
+            match=config.match,
+            select_max_leaves=config.select_max_leaves,
+            budget_s=config.compile_budget_s,
+            log=log,
+        )
+        results["notes"] += notes
+    if "memory" in config.sections:
+        from benchmarks.memory import run_memory
+
+        results["memory"] = run_memory(
+            config.memory_params, config.memory_leaves, match=config.match, log=log
+        )
+    if "lenet" in config.sections:
+        from benchmarks.lenet import run_lenet
+
+        results["lenet"], notes = run_lenet(
+            config.lenet_batch,
+            config.lenet_reps,
+            match=config.match,
+            sample_s=0.0 if config.quick else 0.2,
+            log=log,
+        )
+        results["notes"] += notes
+    load1 = os.getloadavg()
+    machine = report.machine()
+    machine["load average (1 min) at start / end"] = f"{load0[0]:.1f} / {load1[0]:.1f}"
+    results["meta"] = {
+        "command": command or "python -m benchmarks",
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "wall_s": time.perf_counter() - t0,
+        "machine": machine,
+        "versions": _versions(),
+        "config": dataclasses.asdict(config),
+        "quick": config.quick,
+    }
+    return results
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(parse_count(t) for t in text.split(",") if t.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The command line; returns the results (for tests)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--sizes", help="param counts for the update section, e.g. 1M,16M,64M")
+    p.add_argument("--leaves", help="leaf counts for the update section, e.g. 8,1000")
+    p.add_argument("--groups", help="update groups: clip,loss_scale,accumulate (default all)")
+    p.add_argument("--match", help="only the cases whose name matches this regex (and the triad)")
+    p.add_argument("--reps", type=int, help="interleaved rounds per group")
+    p.add_argument("--compile-leaves", help="leaf counts for the compile section")
+    p.add_argument("--compile-reps", type=int, help="rounds per leaf count (compile)")
+    p.add_argument(
+        "--select-max-leaves",
+        type=int,
+        help="the jmp/flax select-whole-tree patterns are left out above this many leaves",
+    )
+    p.add_argument(
+        "--compile-budget",
+        type=float,
+        help="skip a case at a leaf count where its growth predicts more seconds than this",
+    )
+    p.add_argument("--memory-size", help="params for the memory section, e.g. 16M")
+    p.add_argument("--lenet-batch", type=int, help="LeNet batch size")
+    p.add_argument(
+        "--out", help=f"write the Markdown report here (default {RESULTS} unless --quick)"
+    )
+    p.add_argument("--json", help="also write every row as JSON here")
+    args = p.parse_args(argv)
+
+    base = QUICK if args.quick else Config()
+    changes: dict[str, Any] = {}
+    if args.sections:
+        changes["sections"] = tuple(s.strip() for s in args.sections.split(","))
+    if args.sizes:
+        changes["sizes"] = _counts(args.sizes)
+    if args.leaves:
+        changes["leaves"] = _counts(args.leaves)
+    if args.groups:
+        changes["groups"] = tuple(g.strip() for g in args.groups.split(","))
+    if args.match:
+        changes["match"] = args.match
+    if args.reps:
+        changes["reps"] = changes["lenet_reps"] = args.reps
+    if args.compile_leaves:
+        changes["compile_leaves"] = _counts(args.compile_leaves)
+    if args.compile_reps:
+        changes["compile_reps"] = args.compile_reps
+    if args.select_max_leaves is not None:
+        changes["select_max_leaves"] = args.select_max_leaves
+    if args.compile_budget:
+        changes["compile_budget_s"] = args.compile_budget
+    if args.memory_size:
+        changes["memory_params"] = parse_count(args.memory_size)
+    if args.lenet_batch:
+        changes["lenet_batch"] = args.lenet_batch
+    config = dataclasses.replace(base, **changes)
+
+    command = "python -m benchmarks" + ("".join(f" {a}" for a in argv) if argv else "")
+    if argv is None:
+        command = "python -m benchmarks" + "".join(f" {a}" for a in sys.argv[1:])
+    results = run(config, command=command)
+    text = report.render(results)
+    print(text)
+    out = args.out or (None if args.quick else str(RESULTS))
+    if out:
+        Path(out).write_text(text)
+        print(f"wrote {out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return results

@@ -1,0 +1,357 @@
+"""Targets and the Markdown report (``benchmarks/RESULTS.md``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["human", "render", "targets"]
+
+ANALYSIS = Path(__file__).with_name("ANALYSIS.md")
+
+
+def human(n: float) -> str:
+    """1048576 -> '1M', 65536 -> '64K'."""
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n:,}"
+
+
+def _find(rows: Iterable[dict[str, Any]], **where: Any) -> dict[str, Any] | None:
+    """The first row matching every ``key=value`` (a value ending in ``*`` is a prefix)."""
+    for r in rows:
+        ok = True
+        for k, v in where.items():
+            if isinstance(v, str) and v.endswith("*"):
+                ok = ok and str(r.get(k) or "").startswith(v[:-1])
+            else:
+                ok = ok and r.get(k) == v
+        if ok:
+            return r
+    return None
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Median per-round ratio of two rows timed in the same group (else of medians)."""
+    sa, sb = a.get("samples_s"), b.get("samples_s")
+    if sa and sb and len(sa) == len(sb) and a.get("group") == b.get("group"):
+        return statistics.median(x / y for x, y in zip(sa, sb))
+    return a["median_s"] / b["median_s"]
+
+
+#: (target, case, baseline case or None for the bandwidth bound, limit, at most?)
+UPDATE_TARGETS = (
+    (
+        "accumulate micro-step / its bandwidth bound (6 words, apply_updates included)",
+        "gradtools.accumulate*",
+        None,
+        1.5,
+    ),
+    (
+        "accumulate micro-step / read-add-write of the buffer alone (3 words)",
+        "gradtools.accumulate*",
+        "triad",
+        1.5,
+    ),
+    (
+        "accumulate micro-step / optax.MultiSteps micro-step",
+        "gradtools.accumulate*",
+        "optax.MultiSteps*",
+        0.1,
+    ),
+    (
+        "dynamic_loss_scale(gradtools.clip+adam) / optax.clip+adam",
+        "gradtools.dynamic_loss_scale*",
+        "optax.clip+adam",
+        1.1,
+    ),
+    (
+        "dynamic_loss_scale(gradtools.clip+adam) / apply_if_finite(optax.clip+adam)",
+        "gradtools.dynamic_loss_scale*",
+        "optax.apply_if_finite*",
+        0.9,
+    ),
+    ("gradtools.clip+adam / optax.adam", "gradtools.clip+adam", "optax.adam", 1.25),
+)
+
+
+def _target(name: str, value: float | None, limit: float, where: str, at_most: bool = True):
+    if value is None or not math.isfinite(value):
+        return None
+    ok = value <= limit if at_most else value >= limit
+    return {
+        "target": name,
+        "where": where,
+        "value": value,
+        "limit": limit,
+        "at_most": at_most,
+        "pass": ok,
+    }
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's performance targets, each checked where this run measured it.
+
+    Update-cost targets are checked at every size >= 16M (at the largest size
+    when the run had none that large, e.g. ``--quick``), for every leaf count;
+    a ratio is the median of per-round ratios of the two cases in one group.
+    """
+    out: list[dict[str, Any] | None] = []
+    upd = results.get("update", [])
+    sizes = sorted({r["params"] for r in upd})
+    big = [n for n in sizes if n >= 16 << 20] or sizes[-1:]
+    for n in big:
+        for leaves in sorted({r["leaves"] for r in upd if r["params"] == n}):
+            where = f"{human(n)} params, {leaves} leaves"
+            for name, case, base, limit in UPDATE_TARGETS:
+                for row in [r for r in upd if r["params"] == n and r["leaves"] == leaves]:
+                    if not _find([row], case=case):
+                        continue
+                    if base is None:
+                        out.append(_target(name, row["x_bound"], limit, where))
+                        continue
+                    if base == "triad":  # the same bytes as the triad moves
+                        out.append(_target(name, row["x_bound"] * row["words"] / 3, limit, where))
+                        continue
+                    other = _find(upd, params=n, leaves=leaves, group=row["group"], case=base)
+                    if other:
+                        out.append(_target(name, _paired(row, other), limit, where))
+    comp = results.get("compile", [])
+    counts = sorted({r["leaves"] for r in comp})
+    dls = "gradtools.dynamic_loss_scale*"
+    if counts:
+        at = 200 if 200 in counts else counts[-1]
+        where = f"{at} leaves"
+        mine = _find(comp, case=dls, leaves=at)
+        aif = _find(comp, case="optax.apply_if_finite*", leaves=at)
+        if mine and aif:
+            ratio = mine["median_s"] / aif["median_s"]
+            out.append(_target("compile: dynamic_loss_scale / apply_if_finite", ratio, 1.2, where))
+        for sel in (r for r in comp if r["select_tree"] and r["leaves"] == at and mine):
+            name = f"compile: {sel['case'].split('(')[0]} / dynamic_loss_scale"
+            ratio = sel["median_s"] / mine["median_s"]  # pyright: ignore
+            out.append(_target(name, ratio, 10.0, where, at_most=False))
+        lo, hi = (100 if 100 in counts else counts[0]), counts[-1]
+        a, b = _find(comp, case=dls, leaves=lo), _find(comp, case=dls, leaves=hi)
+        if a and b and hi > lo:
+            growth = (b["median_s"] / a["median_s"]) / (hi / lo)
+            name = f"compile: dynamic_loss_scale time({hi}) / time({lo}) / ({hi}/{lo})"
+            out.append(_target(name, growth, 1.2, f"{lo} to {hi} leaves"))
+    gt = _find(results.get("lenet", []), variant="gradtools fp32 (adam)")
+    if gt and gt.get("x_baseline"):
+        name = "LeNet fp32 images/s: gradtools / PyTorch eager"
+        out.append(_target(name, gt["x_baseline"], 1.0, f"batch {gt['batch']}", at_most=False))
+    return [t for t in out if t]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f}" if s < 10 else f"{s * 1e3:.0f}"
+
+
+def _table(header: list[str], rows: Iterable[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f}" if n >= 2**20 or n == 0 else f"{n / 2**20:.2f}"
+
+
+def _update_section(rows: list[dict[str, Any]]) -> str:
+    parts = [
+        "## Update cost\n",
+        "One jitted `update` + `apply_updates` step, params and state donated, grads an "
+        "argument; ms per step, median [min-max]. *words*: float32 words per parameter the "
+        "step must read plus write (adam: read g, p, m, v, write p, m, v = 7); *bound*: "
+        "words / 3 x the triad's time in the same group; *x bound*, *x counterpart*: medians "
+        "of per-round ratios. XLA's own account of the compiled step: *XLA words* (its "
+        "cost-analysis bytes accessed, same unit), *temp MiB* (temporary buffers, which "
+        "XLA:CPU maps afresh on every call) and *faults* (minor page faults of one call); "
+        "*copies*: `copy` instructions on parameter-sized arrays in the optimized HLO (all "
+        "branches, MiB copied).\n",
+    ]
+    header = ["group", "case", "ms", "min-max", "words", "bound ms", "x bound"]
+    header += ["x counterpart", "XLA words", "temp MiB", "faults", "copies (MiB)"]
+    for n, leaves in sorted({(r["params"], r["leaves"]) for r in rows}):
+        sub = [r for r in rows if r["params"] == n and r["leaves"] == leaves]
+        bw = ", ".join(f"{r['bandwidth_gbs']:.1f}" for r in sub if r["case"] == "triad")
+        parts.append(
+            f"### {human(n)} params in {leaves} leaves\n\nTriad bandwidth: {bw} GB/s (per group).\n"
+        )
+        table = []
+        for r in sub:
+            vs = f"{r['x_baseline']:.2f}x `{r['baseline']}`" if r.get("x_baseline") else ""
+            copied = r["copy_words"] * 4 * n
+            table.append(
+                [
+                    r["group"],
+                    f"`{r['case']}`",
+                    _ms(r["median_s"]),
+                    f"{_ms(r['min_s'])}-{_ms(r['max_s'])}",
+                    r["words"],
+                    _ms(r["bound_s"]),
+                    f"{r['x_bound']:.2f}",
+                    vs,
+                    f"{r['xla_words']:.1f}",
+                    _mib(r["temp_bytes"]),
+                    f"{r['page_faults']:.0f}",
+                    f"{r['copies']} ({_mib(copied)})",
+                ]
+            )
+        parts += [_table(header, table), ""]
+    traffic = {r["case"]: (r["words"], r["traffic"]) for r in rows}
+    parts.append("Traffic each case must move (float32 words per parameter):\n")
+    parts.append(
+        _table(["case", "words", "made of"], [[f"`{k}`", w, t] for k, (w, t) in traffic.items()])
+    )
+    return "\n".join(parts) + "\n"
+
+
+def _compile_section(rows: list[dict[str, Any]]) -> str:
+    counts = sorted({r["leaves"] for r in rows})
+    table = []
+    for c in dict.fromkeys(r["case"] for r in rows):
+        cells = []
+        for n in counts:
+            r = _find(rows, case=c, leaves=n)
+            cells.append(f"{r['median_s']:.2f}" if r else "-")
+        last = max((r for r in rows if r["case"] == c), key=lambda r: r["leaves"])
+        table.append([f"`{c}`", *cells, f"{last['median_s'] / last['leaves'] * 1e3:.1f}"])
+    return (
+        "## Compile time\n\nSeconds to trace, lower and compile the donated step (params "
+        "split into the given number of leaves), median over interleaved rounds; last "
+        "column: milliseconds per leaf at the largest count measured.\n\n"
+        + _table(["case", *[f"{n} leaves" for n in counts], "ms/leaf"], table)
+        + "\n"
+    )
+
+
+def _memory_section(rows: list[dict[str, Any]]) -> str:
+    n, leaves, pbytes = rows[0]["params"], rows[0]["leaves"], rows[0]["param_bytes"]
+    table = [
+        [
+            f"`{r['case']}`",
+            f"{r['state_bytes'] / 2**20:.1f}",
+            f"{r['state_per_param_bytes']:.2f}",
+            f"{r['peak_bytes'] / 2**20:.1f}",
+            f"{r['temp_bytes'] / 2**20:.1f}",
+        ]
+        for r in rows
+    ]
+    return (
+        f"## Memory\n\n{human(n)} float32 params in {leaves} leaves ({_mib(pbytes)} MiB). "
+        "*state*: the optimizer state (`jax.eval_shape` of `init`; for the jmp/flax patterns "
+        "also their scale); *peak*: arguments + outputs - donated aliases + temporaries from "
+        "`compiled.memory_analysis()` of the donated step (grads included as an argument).\n\n"
+        + _table(["case", "state MiB", "state / params", "peak MiB", "temp MiB"], table)
+        + "\n"
+    )
+
+
+def _lenet_section(rows: list[dict[str, Any]]) -> str:
+    table = [
+        [
+            r["variant"],
+            f"{r['images_per_s']:.0f}",
+            f"{_ms(r['median_s'])} [{_ms(r['min_s'])}-{_ms(r['max_s'])}]",
+            f"{r['x_baseline']:.2f}" if r.get("x_baseline") else "",
+        ]
+        for r in rows
+    ]
+    return (
+        f"## LeNet-5 training\n\nOne training step (forward, backward, Adam) on a batch of "
+        f"{rows[0]['batch']} 32x32 images: images per second; ms per step, median [min-max]; "
+        "last column: throughput over PyTorch eager fp32's (median of per-round ratios). The "
+        "accumulate row takes one batch per call, so a window is 4 calls.\n\n"
+        + _table(["variant", "images/s", "ms/step", "x PyTorch fp32"], table)
+        + "\n"
+    )
+
+
+def _targets_section(found: list[dict[str, Any]]) -> str:
+    table = [
+        [
+            t["target"],
+            t["where"],
+            f"{t['value']:.3g}",
+            ("<= " if t["at_most"] else ">= ") + f"{t['limit']:g}",
+            "met" if t["pass"] else "**missed**",
+        ]
+        for t in found
+    ]
+    return "## Targets\n\n" + _table(["target", "where", "measured", "limit", ""], table) + "\n"
+
+
+SECTIONS = (
+    ("update", _update_section),
+    ("compile", _compile_section),
+    ("memory", _memory_section),
+    ("lenet", _lenet_section),
+)
+
+
+def render(results: dict[str, Any]) -> str:
+    """The whole report as Markdown."""
+    meta = results["meta"]
+    lines = [
+        "# Benchmark results\n",
+        f"Generated by `{meta['command']}` on {meta['date']} in {meta['wall_s'] / 60:.1f} min. "
+        "Every section runs its cases side by side in one process, in interleaved rounds; "
+        "times are medians with [min-max]; ratios are medians of per-round ratios within this "
+        "run. The machine is shared and noisy: only ratios within one run mean anything.\n",
+        "## Machine and versions\n",
+        _table(["", ""], [[k, v] for k, v in meta["machine"].items()]),
+        "",
+        _table(["package", "version"], [[k, v] for k, v in meta["versions"].items()]),
+        "",
+    ]
+    found = targets(results)
+    if found:
+        lines.append(_targets_section(found))
+    for key, section in SECTIONS:
+        if results.get(key):
+            lines.append(section(results[key]))
+    if results.get("notes"):
+        lines += ["## Notes\n", *[f"- {n}" for n in results["notes"]], ""]
+    if ANALYSIS.exists() and not meta.get("quick"):
+        lines.append(ANALYSIS.read_text())
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def machine() -> dict[str, str]:
+    """CPU, cores, memory, load and accelerator, as far as the OS tells."""
+    import platform
+
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
+        mem = f"{kib / 2**20:.0f} GiB"
+    except (OSError, StopIteration):
+        pass
+    devices = jax.devices()
+    return {
+        "CPU": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": mem,
+        "OS": platform.platform(),
+        "JAX devices": f"{len(devices)} x {devices[0].platform} ({devices[0].device_kind})",
+        "GPU": "none in this run: the GPU table is future work"
+        if devices[0].platform == "cpu"
+        else devices[0].device_kind,
+    }

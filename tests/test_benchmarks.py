@@ -1,0 +1,139 @@
+"""Smoke test of ``benchmarks/``: the code runs at a tiny size and reports what it should.
+
+Structure only: no assertion here depends on a timing.
+"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from benchmarks import cli
+from benchmarks import report
+from benchmarks.cases import MICRO_K
+from benchmarks.cases import param_shapes
+from benchmarks.cases import update_cases
+
+# Few cases, few leaves, one round: seconds, not minutes.
+TINY = cli.Config(
+    sizes=(1024,),
+    leaves=(2,),
+    reps=1,
+    sample_s=0.0,
+    compile_leaves=(2, 3),
+    compile_reps=1,
+    compile_params=64,
+    select_max_leaves=2,
+    memory_params=1024,
+    memory_leaves=2,
+    lenet_batch=2,
+    lenet_reps=1,
+    quick=True,
+    match=r"^gradtools\.(accumulate|dynamic_loss_scale)|^jmp",
+)
+
+UPDATE_KEYS = {
+    "params", "leaves", "group", "case", "median_s", "min_s", "max_s", "samples_s", "reps",
+    "words", "bound_s", "x_bound", "baseline", "x_baseline", "bandwidth_gbs", "xla_words",
+    "temp_bytes", "page_faults", "copies", "copy_words", "compile_s",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results():
+    return cli.run(TINY, log=lambda line: None, command="test")
+
+
+def test_update_rows_cover_every_group_with_its_triad(results):
+    rows = results["update"]
+    groups = {r["group"] for r in rows}
+    assert groups == {"loss_scale", "accumulate"}
+    for g in groups:
+        cases = [r["case"] for r in rows if r["group"] == g]
+        assert cases[0] == "triad"
+        assert len(cases) >= 2
+    for r in rows:
+        assert UPDATE_KEYS <= set(r)
+        assert (r["params"], r["leaves"], r["reps"]) == (1024, 2, 1)
+        assert len(r["samples_s"]) == 1
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert math.isfinite(r["x_bound"]) and r["x_bound"] > 0
+    acc = next(r for r in rows if r["case"].startswith("gradtools.accumulate"))
+    assert acc["baseline"] is None  # MultiSteps was filtered out by `match`
+    assert acc["words"] == 6
+
+
+def test_select_tree_patterns_are_capped_by_leaves(results):
+    pytest.importorskip("jmp")
+    update = [r["case"] for r in results["update"]]
+    assert any(c.startswith("jmp.") for c in update)  # 2 leaves <= select_max_leaves
+    compiled = {(r["case"].split("(")[0], r["leaves"]) for r in results["compile"]}
+    assert ("jmp.DynamicLossScale+select_tree", 2) in compiled
+    assert ("jmp.DynamicLossScale+select_tree", 3) not in compiled
+    assert any("not compiled at 3 leaves" in n for n in results["notes"])
+
+
+def test_compile_rows_split_lowering_and_compiling(results):
+    rows = results["compile"]
+    assert {r["leaves"] for r in rows} == {2, 3}
+    for r in rows:
+        assert r["lower_s"] > 0 and r["compile_s"] > 0
+        assert r["median_s"] == pytest.approx(r["lower_s"] + r["compile_s"])
+
+
+def test_memory_rows_count_state_bytes(results):
+    rows = {r["case"]: r for r in results["memory"]}
+    acc = rows["gradtools.accumulate(adam) micro-step"]
+    # adam's two moments plus one float32 buffer, a few scalars aside.
+    assert acc["state_bytes"] // acc["param_bytes"] == 3
+    dls = next(r for k, r in rows.items() if k.startswith("gradtools.dynamic_loss_scale"))
+    assert dls["state_bytes"] // dls["param_bytes"] == 2
+    for r in rows.values():
+        assert r["peak_bytes"] >= r["temp_bytes"] >= 0
+
+
+def test_lenet_rows_or_a_note(results):
+    for r in results["lenet"]:
+        assert r["batch"] == 2 and r["images_per_s"] > 0
+    demo_missing = importlib.util.find_spec("gradtools.demo") is None
+    if demo_missing:  # the skipped rows must be explained
+        assert any("gradtools.demo" in n for n in results["notes"])
+
+
+def test_report_renders_every_section_and_checks_targets(results):
+    text = report.render(results)
+    for heading in ("## Machine and versions", "## Targets", "## Update cost", "## Compile time",
+                    "## Memory", "## Notes"):  # fmt: skip
+        assert heading in text
+    found = report.targets(results)
+    names = {t["target"].split(" / ")[0] for t in found}
+    assert "accumulate micro-step" in names
+    for t in found:
+        assert set(t) == {"target", "where", "value", "limit", "at_most", "pass"}
+        assert t["pass"] == (t["value"] <= t["limit"] if t["at_most"] else t["value"] >= t["limit"])
+
+
+def test_command_line_writes_the_report_and_json(tmp_path):
+    out, data = tmp_path / "r.md", tmp_path / "r.json"
+    argv = ["--quick", "--sections", "memory", "--memory-size", "1K", "--match",
+            "accumulate", "--out", str(out), "--json", str(data)]  # fmt: skip
+    cli.main(argv)
+    assert out.read_text().startswith("# Benchmark results")
+    rows = json.loads(data.read_text())["memory"]
+    assert [r["case"] for r in rows] == ["gradtools.accumulate(adam) micro-step"]
+
+
+def test_cases_and_shapes():
+    shapes = param_shapes(10, 3)
+    assert [s.shape for s in shapes.values()] == [(4,), (3,), (3,)]
+    names = [c.name for c in update_cases()]
+    assert names[0] == "triad" and len(names) == len(set(names))
+    assert MICRO_K > 1 << 20
+    with pytest.raises(ValueError, match="n_leaves"):
+        param_shapes(2, 3)
+
+
+@pytest.mark.parametrize("text,count", [("64M", 64 << 20), ("16K", 16 << 10), ("1000", 1000)])
+def test_parse_count(text, count):
+    assert cli.parse_count(text) == count
