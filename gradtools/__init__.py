@@ -1,5 +1,6 @@
 """gradtools: training-loop gradient plumbing for JAX, as Optax transforms."""
 
+from gradtools import schedules
 from gradtools._version import __version__
 from gradtools.loss_scale import (
     LossScaleState,
@@ -21,5 +22,6 @@ __all__ = [
     "loss_scale",
     "metrics",
     "scale_loss",
+    "schedules",
     "train_step",
 ]

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 __all__ = [
+    "finite_non_negative",
     "finite_positive",
     "in_open_interval",
     "is_bool",
@@ -49,6 +50,15 @@ def finite_positive(name: str, value: Any) -> None:
     v = _real(name, value)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+def finite_non_negative(name: str, value: Any) -> None:
+    """Checks ``0 <= value < inf``."""
+    if traced(value):
+        return
+    v = _real(name, value)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
 
 
 def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
