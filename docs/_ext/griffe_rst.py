@@ -9,24 +9,32 @@ idioms that mkdocstrings (a Markdown renderer) would otherwise show verbatim:
 - ``Title <url>`_`` links become Markdown links;
 - a paragraph ending in ``::`` followed by an indented block becomes a fenced
   code block;
-- simple tables (``===  ===`` borders) become Markdown tables;
+- simple tables (``===  ===`` borders) and ``.. list-table::`` directives
+  become Markdown tables;
 - an ``Example:`` section is read as ``Examples:``, so its ``>>>`` lines render
   as a code block.
 
 The docstring text is rewritten when griffe creates the object, before it is
-parsed; the source files are not touched.
+parsed; the source files are not touched. reST left over after the rewrite (a
+role or directive not listed above) is logged as a warning, which fails
+``mkdocs build --strict``: extend this file rather than let it show verbatim.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import types
 from typing import Any
 
 import griffe
 
-_ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|obj|exc):`(~?)([\w.]+)`")
+_log = logging.getLogger("mkdocs.plugins.gradtools.griffe_rst")
+
+_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|obj|exc):`(~?)([\w.]+)`")
 _LINK = re.compile(r"`([^`<]+?)\s*<(https?://[^>\s]+)>`_")
+_LIST_TABLE = re.compile(r"^(\s*)\.\. list-table::\s*(.*)$")
+_LEFTOVER = re.compile(r":[a-z]+:`|^\s*\.\. [\w-]+::")
 _BORDER = re.compile(r"^\s*=+(?: +=+)+\s*$")
 _CODE_SPAN = re.compile(r"(`+).+?\1")
 _INNER_STAR = re.compile(r"(?<=[\w)])(\*+)(?=[\w(])")
@@ -164,10 +172,61 @@ def _escape_prose(lines: list[str]) -> list[str]:
     return out
 
 
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _list_tables(lines: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = _LIST_TABLE.match(lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        pad, title = m.group(1), m.group(2).strip()
+        header_rows, rows = 0, []
+        i += 1
+        while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > len(pad)):
+            item = lines[i].strip()
+            option = re.match(r":header-rows:\s*(\d+)", item)
+            if option:
+                header_rows = int(option.group(1))
+            elif item.startswith("* - "):
+                rows.append([item[4:]])
+            elif item.startswith("- ") and rows:
+                rows[-1].append(item[2:])
+            elif item and rows:
+                rows[-1][-1] += " " + item
+            i += 1
+        if title:
+            out += [f"{pad}**{title}**", ""]
+        width = max(len(r) for r in rows)
+        head, body = (rows[0], rows[1:]) if header_rows else ([""] * width, rows)
+        out.append(pad + "| " + " | ".join(_cell(c) for c in head) + " |")
+        out.append(pad + "|" + "|".join("---" for _ in range(width)) + "|")
+        for row in body:
+            out.append(pad + "| " + " | ".join(_cell(c) for c in row) + " |")
+        out.append("")
+    return out
+
+
+def _warn_leftovers(lines: list[str], module: str) -> None:
+    fenced = False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and not line.lstrip().startswith(">>>") and _LEFTOVER.search(line):
+            _log.warning("%s: reST that renders verbatim: %r", module, line.strip())
+
+
 def rst_to_markdown(text: str, module: str) -> str:
     """Rewrites the reST idioms of one docstring as Markdown."""
     text = _links(_roles(text, module))
-    lines = _escape_prose(_tables(_literal_blocks(text.splitlines())))
+    lines = _list_tables(text.splitlines())
+    lines = _escape_prose(_tables(_literal_blocks(lines)))
+    _warn_leftovers(lines, module)
     lines = ["Examples:" if line == "Example:" else line for line in lines]
     return "\n".join(lines)
 
