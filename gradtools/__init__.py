@@ -2,25 +2,41 @@
 
 from gradtools import schedules
 from gradtools._version import __version__
-from gradtools.loss_scale import (
-    LossScaleState,
-    all_finite,
-    dynamic_loss_scale,
-    fixed_loss_scale,
-    loss_scale,
-    scale_loss,
-)
+from gradtools.groups import FreezeState
+from gradtools.groups import ParamGroupsState
+from gradtools.groups import decay_mask
+from gradtools.groups import describe
+from gradtools.groups import freeze
+from gradtools.groups import frozen
+from gradtools.groups import label_params
+from gradtools.groups import param_groups
+from gradtools.groups import path_names
+from gradtools.loss_scale import LossScaleState
+from gradtools.loss_scale import all_finite
+from gradtools.loss_scale import dynamic_loss_scale
+from gradtools.loss_scale import fixed_loss_scale
+from gradtools.loss_scale import loss_scale
+from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
 from gradtools.training import train_step
 
 __all__ = [
+    "FreezeState",
     "LossScaleState",
+    "ParamGroupsState",
     "__version__",
     "all_finite",
+    "decay_mask",
+    "describe",
     "dynamic_loss_scale",
     "fixed_loss_scale",
+    "freeze",
+    "frozen",
+    "label_params",
     "loss_scale",
     "metrics",
+    "param_groups",
+    "path_names",
     "scale_loss",
     "schedules",
     "train_step",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "is_transform",
     "one_of",
     "positive_int",
+    "regex",
     "traced",
 ]
 
@@ -100,3 +102,13 @@ def is_transform(name: str, value: Any) -> None:
         raise TypeError(
             f"{name}={value!r} must be an optax.GradientTransformation, e.g. optax.adam(1e-3)"
         )
+
+
+def regex(name: str, value: Any) -> re.Pattern[str]:
+    """Compiles ``value`` as a regular expression, or says why it cannot."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a regular expression string, e.g. r'conv'")
+    try:
+        return re.compile(value)
+    except re.error as err:
+        raise ValueError(f"{name}={value!r} is not a valid regular expression: {err}") from None

@@ -18,15 +18,18 @@ The training loop needs two calls::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from collections.abc import Hashable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradtools import _checks, _tree
+from gradtools import _checks
+from gradtools import _tree
 
 __all__ = [
     "LossScaleState",

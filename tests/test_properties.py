@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 import gradtools

@@ -1,0 +1,561 @@
+"""Parameter groups: names, rules, freezing, per-group optimizers, describe.
+
+References are hand-applied optax on the split sub-trees, or NumPy; never the
+code under test.
+"""
+
+import functools
+from typing import NamedTuple
+
+import chex
+import flax.linen as nn
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import gradtools
+
+CONV = ("conv1", "conv2")
+FC = ("fc1", "fc2", "fc3")
+LENET_NAMES = [f"params/{layer}/{p}" for layer in CONV + FC for p in ("bias", "kernel")]
+
+
+class LeNet(nn.Module):
+    """LeNet-5 on 32x32x1 inputs: 61,706 parameters."""
+
+    @nn.compact
+    def __call__(self, x):
+        for name, features in zip(CONV, (6, 16)):
+            x = nn.Conv(features, (5, 5), padding="VALID", name=name)(x)
+            x = nn.avg_pool(nn.relu(x), (2, 2), (2, 2))
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.Dense(120, name="fc1")(x))
+        x = nn.relu(nn.Dense(84, name="fc2")(x))
+        return nn.Dense(10, name="fc3")(x)
+
+
+@functools.cache
+def lenet():
+    """(variables, batch) for the Linen LeNet, built once.
+
+    The tree is Linen's (``eval_shape`` of ``init``); the values are drawn with
+    NumPy, scaled like LeCun-normal, which spares compiling the initialisers.
+    """
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 32, 32, 1)), jnp.float32)
+    y = jnp.arange(4) % 10
+    shapes = jax.eval_shape(LeNet().init, jax.random.key(0), x[:1])
+    fan_in = lambda s: int(np.prod(s.shape[:-1])) if len(s.shape) > 1 else 1  # noqa: E731
+    variables = jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s.shape) / np.sqrt(fan_in(s)), s.dtype), shapes
+    )
+    return variables, (x, y)
+
+
+def loss_fn(variables, x, y):
+    logits = LeNet().apply(variables, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def split(variables):
+    """The conv and fc halves of a LeNet tree, as plain dicts."""
+    p = variables["params"]
+    return {k: p[k] for k in CONV}, {k: p[k] for k in FC}
+
+
+def join(conv, fc):
+    return {"params": {**conv, **fc}}
+
+
+def state_arrays(state):
+    leaves = jax.tree.leaves(state)
+    return len(leaves), sum(x.size * x.dtype.itemsize for x in leaves)
+
+
+# -- names and rules -----------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    left: object
+    right: object
+
+
+def test_path_names_linen_plain_and_nnx():
+    variables, _ = lenet()
+    assert jax.tree.leaves(gradtools.path_names(variables)) == LENET_NAMES
+
+    tree = {"a": [1, Pair(2, {"x": 3})], "b": None, "c": {}, "d": (4,)}
+    named = gradtools.path_names(tree)
+    assert named == {"a": ["a/0", Pair("a/1/left", {"x": "a/1/right/x"})], "b": None, "c": {},
+                     "d": ("d/0",)}  # fmt: skip
+
+    model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.LayerNorm(3, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)  # nnx.Variable leaves, as nnx.Optimizer's init sees
+    expected = ["layers/0/bias", "layers/0/kernel", "layers/1/bias", "layers/1/scale"]
+    assert jax.tree.leaves(gradtools.path_names(state)) == expected
+    assert jax.tree.leaves(gradtools.path_names(nnx.as_pure(state))) == expected  # as update sees
+    # decay_mask and label_params see each nnx.Variable as one leaf.
+    assert nnx.to_pure_dict(gradtools.decay_mask(state)) == {
+        "layers": {0: {"bias": False, "kernel": True}, 1: {"bias": False, "scale": False}}
+    }
+    labels = gradtools.label_params(state, [(r"^layers/1/", "norm")], default="linear")
+    assert jax.tree.leaves(labels) == ["linear", "linear", "norm", "norm"]
+
+
+def test_label_params_first_match_wins():
+    variables, _ = lenet()
+    rules = [(r"fc3", "head"), (r"bias$", "bias"), (r"^params/fc", "fc")]
+    labels = gradtools.label_params(variables, rules, default="conv")["params"]
+    assert labels["fc3"] == {"bias": "head", "kernel": "head"}  # rule 0 before rule 1
+    assert labels["fc1"] == {"bias": "bias", "kernel": "fc"}
+    assert labels["conv2"] == {"bias": "bias", "kernel": "conv"}
+    swapped = [rules[1], rules[0], rules[2]]
+    labels = gradtools.label_params(variables, swapped, default="conv")["params"]
+    assert labels["fc3"] == {"bias": "bias", "kernel": "head"}
+
+
+def test_freeze_patterns_may_overlap_and_any_match_freezes():
+    variables, _ = lenet()
+    grads = jax.tree.map(jnp.ones_like, variables)
+    tx = gradtools.freeze(optax.sgd(1.0), [r"conv", r"conv1", r"fc3/bias$"])
+    updates, _ = tx.update(grads, tx.init(variables), variables)
+    moved = [name for name, u in zip(LENET_NAMES, jax.tree.leaves(updates)) if np.any(u)]
+    assert moved == ["params/fc1/bias", "params/fc1/kernel", "params/fc2/bias",
+                     "params/fc2/kernel", "params/fc3/kernel"]  # fmt: skip
+
+
+def _raises_listing_names(match, fn, *args):
+    with pytest.raises(ValueError, match=match) as err:
+        fn(*args)
+    for name in LENET_NAMES:
+        assert f"\n  {name}" in str(err.value)
+
+
+def test_rule_matching_nothing_lists_names():
+    variables, _ = lenet()
+    typo = [(r"conv3", optax.sgd(0.1))]
+    _raises_listing_names(
+        r"rules\[0\] regex 'conv3' is unused: it matches no",
+        gradtools.param_groups(typo, default=optax.sgd(0.1)).init,
+        variables,
+    )
+    _raises_listing_names("'conv3' is unused", gradtools.label_params, variables, [("conv3", 1)], 0)
+    _raises_listing_names("'conv3' is unused", gradtools.describe, variables, [("conv3", 1)])
+    _raises_listing_names(
+        "pattern 'conv3' matches no parameter",
+        gradtools.freeze(optax.sgd(0.1), [r"conv1", r"conv3"]).init,
+        variables,
+    )
+    shadowed = [(r"conv", "a"), (r"conv1", "b")]
+    _raises_listing_names(
+        "taken by an earlier rule", gradtools.label_params, variables, shadowed, 0
+    )
+
+
+def test_parameter_matching_no_rule_lists_names():
+    variables, _ = lenet()
+    tx = gradtools.param_groups([(r"conv", optax.sgd(0.1))])
+    _raises_listing_names(r"6 parameter\(s\) match no rule.*params/fc1/bias", tx.init, variables)
+    _raises_listing_names("match no rule", gradtools.label_params, variables, [(r"conv", 1)])
+
+
+def test_bad_rules_are_rejected_when_built():
+    with pytest.raises(ValueError, match=r"rules\[1\]\[0\]='conv\[' is not a valid regular"):
+        gradtools.param_groups([(r"fc", optax.sgd(0.1)), (r"conv[", optax.sgd(0.1))])
+    with pytest.raises(ValueError, match=r"patterns\[0\]='\(conv' is not a valid"):
+        gradtools.freeze(optax.sgd(0.1), "(conv")
+    with pytest.raises(TypeError, match=r"rules\[0\]\[1\]='sgd' must be an optax"):
+        gradtools.param_groups([(r"fc", "sgd")])
+    with pytest.raises(TypeError, match="default=.*must be an optax"):
+        gradtools.param_groups([], default=0.1)
+    with pytest.raises(TypeError, match=r"rules\[0\]=.*must be a \(regex, value\) pair"):
+        gradtools.param_groups([r"fc"])
+    with pytest.raises(TypeError, match="must be a sequence of"):
+        gradtools.param_groups({r"fc": optax.sgd(0.1)})
+    with pytest.raises(TypeError, match="inner=.*must be an optax"):
+        gradtools.freeze(None, [r"conv"])
+    with pytest.raises(TypeError, match="patterns"):
+        gradtools.freeze(optax.sgd(0.1), [])
+
+
+# -- freezing ------------------------------------------------------------------------------------
+
+
+def test_freeze_lenet_conv_matches_adam_on_fc_alone():
+    variables, (x, y) = lenet()
+    tx = gradtools.freeze(optax.adam(1e-3), [r"conv"])
+    grad = jax.jit(jax.grad(loss_fn))
+
+    @jax.jit
+    def step(params, state):
+        updates, state = tx.update(grad(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    ref_tx = optax.adam(1e-3)  # by hand on the fc half only
+
+    @jax.jit
+    def ref_step(conv, fc, state):
+        _, g_fc = split(grad(join(conv, fc), x, y))
+        u, state = ref_tx.update(g_fc, state, fc)
+        return optax.apply_updates(fc, u), state
+
+    params, state = variables, tx.init(variables)
+    ref_conv, ref_fc = split(variables)
+    ref_state = ref_tx.init(ref_fc)
+    for _ in range(4):
+        params, state = step(params, state)
+        ref_fc, ref_state = ref_step(ref_conv, ref_fc, ref_state)
+
+    conv, fc = split(params)
+    init_conv, init_fc = split(variables)
+    chex.assert_trees_all_equal(conv, init_conv)  # bit-identical
+    for new, old in zip(jax.tree.leaves(fc), jax.tree.leaves(init_fc)):
+        assert not np.array_equal(new, old)
+    chex.assert_trees_all_close(fc, ref_fc, rtol=1e-6, atol=1e-7)
+
+
+def test_frozen_params_hold_no_optimizer_state():
+    variables, _ = lenet()
+    n_all = 61_706
+    n_conv = (5 * 5 * 1 + 1) * 6 + (5 * 5 * 6 + 1) * 16
+    assert sum(x.size for x in jax.tree.leaves(variables)) == n_all
+    # Adam: a count (int32) plus mu and nu (float32) per leaf of what it trains.
+    assert state_arrays(optax.adam(1e-3).init(variables)) == (1 + 2 * 10, 4 + 8 * n_all)
+    expected = (1 + 2 * 6, 4 + 8 * (n_all - n_conv))
+    state = gradtools.freeze(optax.adam(1e-3), r"conv").init(variables)
+    assert state_arrays(state) == expected
+    assert state.inner_state[0].mu["params"]["conv1"] == {
+        "bias": optax.MaskedNode(),
+        "kernel": optax.MaskedNode(),
+    }
+    tx = gradtools.param_groups([(r"conv", gradtools.frozen())], default=optax.adam(1e-3))
+    assert state_arrays(tx.init(variables)) == expected
+    assert state_arrays(gradtools.frozen().init(variables)) == (0, 0)
+
+
+def test_nnx_optimizer_trains_only_unfrozen_layers():
+    class Small(nnx.Module):  # LeNet's layout, scaled down: conv1, conv2, fc1, fc2, fc3
+        def __init__(self, rngs):
+            self.conv1 = nnx.Conv(1, 2, (3, 3), padding="VALID", rngs=rngs)
+            self.conv2 = nnx.Conv(2, 2, (3, 3), padding="VALID", rngs=rngs)
+            self.fc1 = nnx.Linear(8, 4, rngs=rngs)
+            self.fc2 = nnx.Linear(4, 4, rngs=rngs)
+            self.fc3 = nnx.Linear(4, 3, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.avg_pool(nnx.relu(self.conv2(nnx.relu(self.conv1(x)))), (2, 2), (2, 2))
+            x = nnx.relu(self.fc1(x.reshape(x.shape[0], -1)))
+            return self.fc3(nnx.relu(self.fc2(x)))
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 8, 1)), jnp.float32)
+    y = jnp.array([0, 2])
+    model = Small(nnx.Rngs(0))
+    before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, gradtools.freeze(optax.adam(1e-2), [r"conv"]), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        def loss(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    for _ in range(3):
+        train_step(model, optimizer)
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for layer in CONV:
+        chex.assert_trees_all_equal(after[layer], before[layer])
+    for layer in FC:
+        for p in ("kernel", "bias"):
+            assert not np.array_equal(after[layer][p], before[layer][p])
+    assert int(optimizer.step[...]) == 3
+    # Adam's count plus mu and nu for the 6 fc leaves only.
+    assert len(jax.tree.leaves(nnx.state(optimizer.opt_state))) == 1 + 2 * 6
+
+
+# -- per-group optimizers ------------------------------------------------------------------------
+
+
+def _fake_grads(variables, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda p: jnp.asarray(scale * rng.standard_normal(p.shape), jnp.float32), variables
+    )
+
+
+def test_per_group_learning_rates_match_sgd_by_hand():
+    variables, _ = lenet()
+    tx = gradtools.param_groups(
+        [(r"conv", optax.sgd(0.0, momentum=0.9)), (r"fc", optax.sgd(0.1, momentum=0.9))]
+    )
+    ref_conv_tx, ref_fc_tx = optax.sgd(0.0, momentum=0.9), optax.sgd(0.1, momentum=0.9)
+    update = jax.jit(tx.update)
+    state = tx.init(variables)
+    conv, fc = split(variables)
+    s_conv, s_fc = ref_conv_tx.init(conv), ref_fc_tx.init(fc)
+    for seed in range(3):
+        grads = _fake_grads(variables, seed)
+        updates, state = update(grads, state, variables)
+        g_conv, g_fc = split(grads)
+        u_conv, s_conv = jax.jit(ref_conv_tx.update)(g_conv, s_conv)
+        u_fc, s_fc = jax.jit(ref_fc_tx.update)(g_fc, s_fc)
+        chex.assert_trees_all_close(updates, join(u_conv, u_fc), rtol=1e-5, atol=1e-8)
+        assert all(not np.any(u) for u in jax.tree.leaves(split(updates)[0]))
+    # The first step in NumPy: -lr * g.
+    grads = _fake_grads(variables, 7)
+    updates, _ = update(grads, tx.init(variables), variables)
+    for layer in FC:
+        u, g = updates["params"][layer]["kernel"], grads["params"][layer]["kernel"]
+        np.testing.assert_allclose(u, -0.1 * np.asarray(g), rtol=1e-6)
+
+
+def test_per_group_weight_decay():
+    variables, _ = lenet()
+    grads = _fake_grads(variables)
+    conv, fc = split(variables)
+    g_conv, g_fc = split(grads)
+
+    # adamw per group against adamw applied to each half by hand, two steps.
+    conv_tx, fc_tx = optax.adamw(1e-2, weight_decay=0.0), optax.adamw(1e-2, weight_decay=0.5)
+    tx = gradtools.param_groups([(r"conv", conv_tx)], default=fc_tx)
+    state, s_conv, s_fc = tx.init(variables), conv_tx.init(conv), fc_tx.init(fc)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(grads, state, variables)
+        u_conv, s_conv = jax.jit(conv_tx.update)(g_conv, s_conv, conv)
+        u_fc, s_fc = jax.jit(fc_tx.update)(g_fc, s_fc, fc)
+        chex.assert_trees_all_close(updates, join(u_conv, u_fc), rtol=1e-6, atol=1e-8)
+
+    # sgd with decay 0 / 0.5 in NumPy: -lr * (g + wd * p).
+    def sgd_wd(wd):
+        return optax.chain(optax.add_decayed_weights(wd), optax.sgd(0.1))
+
+    tx = gradtools.param_groups([(r"conv", sgd_wd(0.0)), (r"fc", sgd_wd(0.5))])
+    updates, _ = jax.jit(tx.update)(grads, tx.init(variables), variables)
+    for layer in CONV + FC:
+        wd = 0.5 if layer in FC else 0.0
+        for p in ("kernel", "bias"):
+            g, w = (np.asarray(t["params"][layer][p]) for t in (grads, variables))
+            np.testing.assert_allclose(updates["params"][layer][p], -0.1 * (g + wd * w), rtol=1e-6)
+
+
+def test_decay_mask_excludes_biases_norm_scales_and_vectors():
+    params = {
+        "params": {
+            "fc": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)},
+            "attn": {"kernel": jnp.ones((2, 2, 2)), "bias": jnp.ones((2, 2))},  # DenseGeneral
+            "LayerNorm_0": {"scale": jnp.ones(2), "bias": jnp.ones(2)},
+            "embed": {"embedding": jnp.ones((5, 2))},
+            "temperature": jnp.ones(()),
+            "w": jnp.ones(3),  # a 1-D parameter of any name
+        }
+    }
+    mask = gradtools.decay_mask(params)["params"]
+    assert mask == {
+        "fc": {"kernel": True, "bias": False},
+        "attn": {"kernel": True, "bias": False},
+        "LayerNorm_0": {"scale": False, "bias": False},
+        "embed": {"embedding": True},
+        "temperature": False,
+        "w": False,
+    }
+    assert gradtools.decay_mask(jax.eval_shape(lambda: params)) == gradtools.decay_mask(params)
+    # First adamw step in NumPy: m_hat = g, v_hat = g**2.
+    lr, wd, eps = 0.1, 0.5, 1e-8
+    tx = optax.adamw(lr, eps=eps, weight_decay=wd, mask=gradtools.decay_mask)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.25), params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for (u, m), g in zip(
+        zip(jax.tree.leaves(updates), jax.tree.leaves(gradtools.decay_mask(params))),
+        jax.tree.leaves(grads),
+    ):
+        expected = -lr * (0.25 / (0.25 + eps) + (wd * 1.0 if m else 0.0))
+        np.testing.assert_allclose(u, np.full(g.shape, expected), rtol=1e-5)
+
+
+# -- describe ------------------------------------------------------------------------------------
+
+
+def test_describe_lenet_line_by_line():
+    variables, _ = lenet()
+    rules = [(r"conv", gradtools.frozen()), (r"fc3", optax.sgd(0.1))]
+    expected = """\
+name                 shape          dtype    group    trainable  params
+-------------------  -------------  -------  -------  ---------  ------
+params/conv1/bias    (6,)           float32  conv     no              6
+params/conv1/kernel  (5, 5, 1, 6)   float32  conv     no            150
+params/conv2/bias    (16,)          float32  conv     no             16
+params/conv2/kernel  (5, 5, 6, 16)  float32  conv     no          2,400
+params/fc1/bias      (120,)         float32  default  yes           120
+params/fc1/kernel    (400, 120)     float32  default  yes        48,000
+params/fc2/bias      (84,)          float32  default  yes            84
+params/fc2/kernel    (120, 84)      float32  default  yes        10,080
+params/fc3/bias      (10,)          float32  fc3      yes            10
+params/fc3/kernel    (84, 10)       float32  fc3      yes           840
+trainable params: 59,134
+frozen params:     2,572
+all params:       61,706"""
+    lines = gradtools.describe(variables, rules).splitlines()
+    expected_lines = expected.splitlines()
+    assert len(lines) == len(expected_lines)
+    for line, want in zip(lines, expected_lines):
+        assert line == want
+
+    # Labels instead of transforms: 'frozen' freezes; no rules: all trainable, default.
+    by_label = gradtools.describe(variables, [(r"conv", "frozen"), (r"fc3", "fc3")])
+    relabelled = [line.replace("float32  conv   ", "float32  frozen ") for line in expected_lines]
+    assert by_label.splitlines() == relabelled
+    plain = gradtools.describe(variables).splitlines()
+    assert [line.split()[0] for line in plain[2:12]] == [line.split()[0] for line in lines[2:12]]
+    assert all(line.split()[-3:-1] == ["default", "yes"] for line in plain[2:12])
+    assert plain[12:] == [
+        "trainable params: 61,706",
+        "frozen params:         0",
+        "all params:       61,706",
+    ]
+
+
+def test_describe_labels_dtypes_and_shape_structs():
+    params = {"a": jnp.ones((2, 3), jnp.bfloat16), "b": {"c": jnp.ones((), jnp.float16)}}
+    text = gradtools.describe(jax.eval_shape(lambda: params), [(r"^a", "frozen"), (r"c", 7)])
+    assert [line.split() for line in text.splitlines()[2:4]] == [
+        ["a", "(2,", "3)", "bfloat16", "frozen", "no", "6"],
+        ["b/c", "()", "float16", "7", "yes", "1"],
+    ]
+
+
+# -- conformance ---------------------------------------------------------------------------------
+
+
+def _mixed():
+    params = {
+        "conv": {"w": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.ones(2, jnp.float16)},
+        "fc": {"w": jnp.ones((2, 2), jnp.float32), "b": jnp.ones(2, jnp.bfloat16)},
+        "empty": {},
+        "none": None,
+        "seq": [],
+    }
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    return params, grads
+
+
+@pytest.mark.parametrize("kind", ["freeze", "param_groups"])
+def test_jit_once_mixed_dtypes_empty_subtrees(kind):
+    params, grads = _mixed()
+    if kind == "freeze":
+        tx = gradtools.freeze(optax.adam(0.1), [r"^conv/"])
+    else:
+        tx = gradtools.param_groups([(r"^conv/", gradtools.frozen())], default=optax.adam(0.1))
+    state = tx.init(params)
+    shapes = tx.init(jax.eval_shape(lambda: params))
+    assert jax.tree.structure(shapes) == jax.tree.structure(state)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), shapes) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), state
+    )
+
+    traces = []
+
+    @jax.jit
+    def step(params, state):
+        traces.append(1)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), updates, state
+
+    ref = optax.adam(0.1)  # by hand on the fc half
+
+    @jax.jit
+    def ref_step(fc, state):
+        u, state = ref.update(grads["fc"], state, fc)
+        return optax.apply_updates(fc, u), state
+
+    ref_fc, ref_state = params["fc"], ref.init(params["fc"])
+    p, s = params, state
+    for _ in range(3):
+        p, updates, s = step(p, s)
+        ref_fc, ref_state = ref_step(ref_fc, ref_state)
+        assert jax.tree.structure(s) == jax.tree.structure(state)
+        assert jax.tree.map(lambda a: a.dtype, s) == jax.tree.map(lambda a: a.dtype, state)
+        assert jax.tree.map(lambda a: a.dtype, updates) == jax.tree.map(lambda a: a.dtype, grads)
+    assert len(traces) == 1  # no recompilation
+    assert (p["empty"], p["none"], p["seq"]) == ({}, None, [])
+    chex.assert_trees_all_equal(p["conv"], params["conv"])
+    chex.assert_trees_all_close(p["fc"], ref_fc)
+    assert jax.tree.map(lambda a: a.dtype, p) == jax.tree.map(lambda a: a.dtype, params)
+
+
+def test_state_round_trips_through_flax_serialization():
+    params, grads = _mixed()
+    tx = gradtools.param_groups(
+        [(r"^conv/w", optax.sgd(0.1, momentum=0.9)), (r"^conv/b", gradtools.frozen())],
+        default=gradtools.freeze(optax.adam(0.1), r"fc/b"),  # nested: a freeze in a group
+    )
+    state = jax.jit(tx.update)(grads, tx.init(params), params)[1]
+    restored = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(state))
+    chex.assert_trees_all_equal(restored, state)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+
+
+def test_composes_with_dynamic_loss_scale_and_clipping():
+    variables, _ = lenet()
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    tx = gradtools.dynamic_loss_scale(
+        gradtools.param_groups([(r"conv", gradtools.frozen())], default=inner), init_scale=8.0
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(variables)
+    ref_state = inner.init(split(variables)[1])  # clip and adam on the fc half alone
+    for seed, finite in [(0, True), (1, False), (2, True)]:
+        grads = _fake_grads(variables, seed, scale=3.0 * 8.0)  # scaled by the loss scale
+        if not finite:
+            bias = np.array(grads["params"]["fc2"]["bias"])
+            bias[0] = np.inf
+            grads["params"]["fc2"]["bias"] = jnp.asarray(bias)
+        updates, state = update(grads, state, variables)
+        if finite:
+            g_fc = split(_fake_grads(variables, seed, scale=3.0))[1]
+            u_fc, ref_state = jax.jit(inner.update)(g_fc, ref_state, split(variables)[1])
+            chex.assert_trees_all_close(split(updates)[1], u_fc, rtol=1e-5, atol=1e-8)
+        else:
+            assert all(not np.any(u) for u in jax.tree.leaves(updates))
+        assert all(not np.any(u) for u in jax.tree.leaves(split(updates)[0]))
+    m = gradtools.metrics(state)
+    assert (float(m["loss_scale"]), int(m["skipped_steps"])) == (4.0, 1)
+
+
+def test_learning_rate_metric_and_extra_args_reach_the_groups():
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=0.25)
+    state = gradtools.freeze(adam, r"^a").init(params)
+    assert float(gradtools.metrics(state)["learning_rate"]) == 0.25
+
+    def times():  # a transform that multiplies by the extra argument `factor`
+        def update_fn(updates, state, params=None, *, factor):
+            del params
+            return jax.tree.map(lambda u: u * factor, updates), state
+
+        return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+    tx = gradtools.param_groups([(r"^a", times())], default=optax.chain(optax.sgd(1.0)))
+    tx = optax.chain(tx)  # optax.chain forwards extra args
+    grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0])}
+    updates, _ = jax.jit(lambda g, s: tx.update(g, s, params, factor=3.0))(grads, tx.init(params))
+    np.testing.assert_array_equal(updates["a"], [3.0, 6.0])
+    np.testing.assert_array_equal(updates["b"], [-3.0, -4.0])
+
+
+def test_sharded_params_keep_their_sharding():
+    mesh = jax.make_mesh((4,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    params = {"conv": jnp.ones(8), "fc": jnp.arange(8.0)}
+    params = jax.device_put(params, sharding)
+    tx = gradtools.freeze(optax.adam(0.1), r"conv")
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(params, state, params)
+    new = optax.apply_updates(params, updates)
+    for leaf in jax.tree.leaves(new):
+        assert leaf.sharding.is_equivalent_to(sharding, 1)
+    assert state.inner_state[0].mu["fc"].sharding.is_equivalent_to(sharding, 1)
+    np.testing.assert_array_equal(new["conv"], np.ones(8))
