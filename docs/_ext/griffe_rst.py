@@ -31,7 +31,7 @@ import griffe
 
 _log = logging.getLogger("mkdocs.plugins.gradtools.griffe_rst")
 
-_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|obj|exc):`(~?)([\w.]+)`")
+_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|obj|exc):`(~?)([\w.]+)(\(\))?`")
 _LINK = re.compile(r"`([^`<]+?)\s*<(https?://[^>\s]+)>`_")
 _LIST_TABLE = re.compile(r"^(\s*)\.\. list-table::\s*(.*)$")
 _LEFTOVER = re.compile(r":[a-z]+:`|^\s*\.\. [\w-]+::")
@@ -63,8 +63,8 @@ def _canonical(path: str) -> str:
 
 def _roles(text: str, module: str) -> str:
     def repl(m: re.Match) -> str:
-        short, name = m.group(1), m.group(2)
-        label = name.rsplit(".", 1)[-1] if short else name
+        short, name, call = m.group(1), m.group(2), m.group(3) or ""
+        label = (name.rsplit(".", 1)[-1] if short else name) + call
         target = name if "." in name else f"{module}.{name}"
         if not target.startswith("gradtools."):
             return f"`{label}`"

@@ -18,7 +18,8 @@ from pathlib import Path
 import mkdocs.plugins
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.exceptions import PluginError
-from mkdocs.structure.files import File, Files
+from mkdocs.structure.files import File
+from mkdocs.structure.files import Files
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
