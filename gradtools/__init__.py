@@ -2,6 +2,11 @@
 
 from gradtools import schedules
 from gradtools._version import __version__
+from gradtools.accumulate import AccumulateState
+from gradtools.accumulate import accumulate
+from gradtools.clipping import ClipByGlobalNormState
+from gradtools.clipping import clip_by_global_norm
+from gradtools.clipping import global_norm
 from gradtools.groups import FreezeState
 from gradtools.groups import ParamGroupsState
 from gradtools.groups import decay_mask
@@ -21,17 +26,22 @@ from gradtools.metrics import metrics
 from gradtools.training import train_step
 
 __all__ = [
+    "AccumulateState",
+    "ClipByGlobalNormState",
     "FreezeState",
     "LossScaleState",
     "ParamGroupsState",
     "__version__",
+    "accumulate",
     "all_finite",
+    "clip_by_global_norm",
     "decay_mask",
     "describe",
     "dynamic_loss_scale",
     "fixed_loss_scale",
     "freeze",
     "frozen",
+    "global_norm",
     "label_params",
     "loss_scale",
     "metrics",

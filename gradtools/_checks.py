@@ -15,12 +15,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax.core as jax_core
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 __all__ = [
     "finite_non_negative",
     "finite_positive",
+    "float_dtype",
     "in_open_interval",
     "is_bool",
     "is_transform",
@@ -112,3 +114,13 @@ def regex(name: str, value: Any) -> re.Pattern[str]:
         return re.compile(value)
     except re.error as err:
         raise ValueError(f"{name}={value!r} is not a valid regular expression: {err}") from None
+
+
+def float_dtype(name: str, value: Any) -> None:
+    """Checks that ``value`` names a floating-point dtype."""
+    try:
+        dtype = None if value is None else np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name}={value!r} must be a floating dtype, e.g. jnp.float32")

@@ -29,5 +29,19 @@ def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
 
 
 def zeros_like_shapes(shapes: Any) -> Any:
-    """Zeros for a pytree of arrays or ``jax.ShapeDtypeStruct``s."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeros for a pytree of arrays or ``jax.ShapeDtypeStruct``s, one computation a leaf.
+
+    XLA merges identical ``broadcast(0)``s of leaves that share a shape and
+    dtype; when they leave a ``lax.cond`` branch as separate outputs, XLA:CPU
+    then copies the one buffer into every output (two memory passes per leaf
+    instead of one write). Broadcasting a distinct element of a small vector
+    hidden behind ``lax.optimization_barrier`` keeps them apart.
+    """
+    leaves, treedef = jax.tree.flatten(shapes)
+    if not leaves:
+        return jax.tree.unflatten(treedef, [])
+    seeds = jax.lax.optimization_barrier(jnp.zeros(len(leaves), jnp.float32))
+    return jax.tree.unflatten(
+        treedef,
+        [jnp.broadcast_to(seeds[i].astype(s.dtype), s.shape) for i, s in enumerate(leaves)],
+    )

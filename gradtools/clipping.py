@@ -1,0 +1,200 @@
+"""Global-norm gradient clipping that is safe for float16 and bfloat16 gradients.
+
+``optax.clip_by_global_norm`` sums squares in the gradients' own dtype: a float16
+gradient whose entries reach 256 squares to more than float16's maximum
+(65504), the norm becomes inf and every update becomes zero (or NaN). Here the
+norm is always accumulated in float32, and clipping multiplies each leaf by one
+precomputed float32 factor, so it costs one read of the gradients for the norm
+and nothing per element that XLA cannot fuse into the optimizer that follows.
+
+Put the clip inside the loss scaler, so that it sees unscaled gradients::
+
+    tx = gradtools.dynamic_loss_scale(
+        optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(1e-3)))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from gradtools import _checks
+from gradtools import _tree
+
+__all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm`.
+
+    Attributes:
+      grad_norm: the global norm of the last update before clipping (0 after
+        ``init``; inf or NaN if that update was not finite).
+    """
+
+    grad_norm: jax.Array  # shape=(), dtype=float32
+
+
+def _norm_type(norm_type: Any) -> Any:
+    """Validates ``norm_type``: a Python float, or a tracer (not checked)."""
+    if _checks.traced(norm_type):
+        return norm_type
+    message = f"{norm_type=} must be a number >= 1 or float('inf')"
+    if isinstance(norm_type, bool):
+        raise ValueError(message)
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(message) from None
+    if math.isnan(p) or p < 1:
+        raise ValueError(message)
+    return p
+
+
+def _magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
+    # |x| is exact in any dtype; everything after it is float32.
+    return [jnp.abs(x).astype(jnp.float32) for x in leaves]
+
+
+def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
+    """The p-norm of all leaves for a Python float ``p``."""
+    mags = _magnitudes(leaves)
+    if p == math.inf:
+        return jnp.max(jnp.stack([jnp.max(m, initial=0.0) for m in mags]))
+    if p == 1:
+        return jnp.sum(jnp.stack([jnp.sum(m) for m in mags]))
+    if p == 2:
+        return jnp.sqrt(jnp.sum(jnp.stack([jnp.sum(jnp.square(m)) for m in mags])))
+    return _scaled_norm(leaves, p)
+
+
+def _scaled_norm(leaves: list[jax.Array], p: Any) -> jax.Array:
+    """Any finite p (also traced): sum (|x| / max|x|) ** p cannot overflow float32."""
+    mags = _magnitudes(leaves)
+    big = _fixed_norm(leaves, math.inf)
+    unit = jnp.where(jnp.isfinite(big) & (big > 0), big, jnp.ones([], jnp.float32))
+    total = jnp.sum(jnp.stack([jnp.sum((m / unit) ** p) for m in mags]))
+    return unit * total ** (1.0 / p)
+
+
+def _global_norm(tree: Any, p: Any) -> jax.Array:
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    if isinstance(p, float):
+        return _fixed_norm(leaves, p)
+    # A traced p (optax.inject_hyperparams injects norm_type too): run only the
+    # branch it selects, so p = 2 still costs one pass.
+    p = jnp.asarray(p, jnp.float32)
+    index = jnp.select([p == 1, p == 2, p == jnp.inf], [0, 1, 2], 3)
+    branches = [functools.partial(_fixed_norm, p=q) for q in (1.0, 2.0, math.inf)]
+    branches.append(functools.partial(_scaled_norm, p=p))
+    return lax.switch(index, branches, leaves)
+
+
+def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
+    """The p-norm of all elements of all leaves of ``tree``, taken together.
+
+    ``norm = (sum over leaves and elements of |x| ** p) ** (1 / p)``, or
+    ``max |x|`` for ``p = inf``, accumulated in float32 whatever the leaves'
+    dtypes. L1, L2 and L-inf read the tree once; other ``p`` read it twice,
+    scaling by ``max |x|`` first so that ``|x| ** p`` cannot overflow.
+
+    Args:
+      tree: a pytree of arrays (fp32, bf16, fp16 mixed; ``None`` leaves and
+        empty trees allowed).
+      norm_type: ``p``, any number >= 1, or ``float('inf')``; as
+        ``torch.nn.utils.clip_grad_norm_``'s ``norm_type``. A traced value
+        (``optax.inject_hyperparams`` injects it) is not checked.
+
+    Returns:
+      A float32 scalar; 0 for an empty tree; inf or NaN if an element is.
+
+    Raises:
+      ValueError: if ``norm_type`` is below 1, NaN or not a number.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> g = {'a': jnp.full(4, 300.0, jnp.float16)}    # 300**2 overflows fp16
+      >>> gradtools.global_norm(g)
+      Array(600., dtype=float32)
+      >>> gradtools.global_norm({'a': jnp.array([3.0, -4.0])}, norm_type=1)
+      Array(7., dtype=float32)
+    """
+    return _global_norm(tree, _norm_type(norm_type))
+
+
+def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.GradientTransformation:
+    """Scales the updates down so that their global norm is at most ``max_norm``.
+
+    Each ``update(updates, state, params=None)`` does::
+
+      norm = global_norm(updates, norm_type)            # float32
+      factor = max_norm / norm if isfinite(norm) and norm > max_norm else 1
+      updates = (updates * factor).astype(updates.dtype) # one float32 scalar
+      grad_norm = norm                                   # kept for metrics()
+
+    The boundary rule is optax's: updates whose norm is exactly ``max_norm``
+    or less pass unchanged (bit for bit), larger ones are scaled to norm
+    ``max_norm``. PyTorch's ``min(1, max_norm / (norm + 1e-6))`` is not
+    used: its epsilon also shrinks updates whose norm is exactly
+    ``max_norm``, and leaves clipped ones just under it, by an amount that
+    depends on the gradients' units.
+
+    A non-finite norm (an inf or NaN gradient, or a norm beyond float32's
+    range) cannot be repaired by one scalar: the updates pass unchanged and
+    ``grad_norm`` records the inf or NaN, so that the loss scaler or
+    ``optax.apply_if_finite`` around the optimizer skips the step and counts
+    it, while ``metrics()`` shows why. (optax zeroes the finite entries when
+    the norm is inf, and turns every entry into NaN when it is NaN.)
+
+    Args:
+      max_norm: the largest global norm let through; finite and > 0. May be
+        scheduled with ``optax.inject_hyperparams``.
+      norm_type: ``p`` of the norm: any number >= 1, or ``float('inf')``.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`ClipByGlobalNormState`.
+
+    Raises:
+      ValueError: if ``max_norm`` is not finite and > 0, or ``norm_type`` is
+        below 1, NaN or not a number.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tx = gradtools.clip_by_global_norm(1.0)
+      >>> updates, state = tx.update({'w': jnp.array([3.0, 4.0])}, tx.init(None))
+      >>> updates['w'], gradtools.metrics(state)['grad_norm']
+      (Array([0.6, 0.8], dtype=float32), Array(5., dtype=float32))
+
+    References:
+      Pascanu et al., `On the difficulty of training recurrent neural networks
+      <https://arxiv.org/abs/1211.5063>`_, 2013. Matches
+      ``optax.clip_by_global_norm`` (boundary rule),
+      ``torch.nn.utils.clip_grad_norm_`` (``norm_type``) and MindSpore's
+      ``ops.clip_by_global_norm``.
+    """
+    _checks.finite_positive("max_norm", max_norm)
+    p = _norm_type(norm_type)
+
+    def init_fn(params):
+        del params
+        return ClipByGlobalNormState(grad_norm=jnp.zeros([], jnp.float32))
+
+    def update_fn(updates, state, params=None):
+        del state, params
+        norm = _global_norm(updates, p)
+        limit = jnp.asarray(max_norm, jnp.float32)
+        clip = jnp.isfinite(norm) & (norm > limit)
+        factor = jnp.where(clip, limit / norm, jnp.ones([], jnp.float32))
+        return _tree.scale_f32(updates, factor, updates), ClipByGlobalNormState(grad_norm=norm)
+
+    return optax.GradientTransformation(init_fn, update_fn)

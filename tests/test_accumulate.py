@@ -1,0 +1,414 @@
+"""Tests for gradtools.accumulate against NumPy big-batch references."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradtools
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(32, 3)).astype(np.float32)
+Y = RNG.normal(size=(32,)).astype(np.float32)
+W0 = np.array([0.5, -1.0, 2.0], np.float32)
+
+
+def loss(w, x, y):
+    return jnp.mean((x @ w - y) ** 2)
+
+
+def np_grad(w, x, y):
+    """Closed-form gradient of the mean squared error, in float64."""
+    x, y, w = (np.asarray(a, np.float64) for a in (x, y, w))
+    return 2.0 / len(y) * x.T @ (x @ w - y)
+
+
+def updates_and_state(tx, params, grads_list, **kw_seq):
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    outs = []
+    for i, g in enumerate(grads_list):
+        kw = {k: v[i] for k, v in kw_seq.items()}
+        u, state = update(g, state, params, **kw)
+        outs.append(u)
+    return outs, state
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_sgd_matches_one_big_batch_step(k):
+    lr, windows = 0.1, 3
+    tx = gradtools.accumulate(optax.sgd(lr), k)
+    update = jax.jit(tx.update)
+    grad = jax.jit(jax.grad(loss))
+    params, state = jnp.asarray(W0), tx.init(jnp.asarray(W0))
+    ref = W0.astype(np.float64)
+    for _ in range(windows):
+        for xs, ys in zip(np.split(X, k), np.split(Y, k)):
+            u, state = update(grad(params, xs, ys), state, params)
+            params = optax.apply_updates(params, u)
+        ref = ref - lr * np_grad(ref, X, Y)  # one step on the whole batch
+    np.testing.assert_allclose(params, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_adam_matches_one_big_batch_step(k):
+    big, acc = optax.adam(0.05), gradtools.accumulate(optax.adam(0.05), k)
+    grad = jax.jit(jax.grad(loss))
+    big_update, acc_update = jax.jit(big.update), jax.jit(acc.update)
+    p_big = p_acc = jnp.asarray(W0)
+    s_big, s_acc = big.init(p_big), acc.init(p_acc)
+    for _ in range(3):
+        u, s_big = big_update(grad(p_big, X, Y), s_big, p_big)
+        p_big = optax.apply_updates(p_big, u)
+        for xs, ys in zip(np.split(X, k), np.split(Y, k)):
+            u, s_acc = acc_update(grad(p_acc, xs, ys), s_acc, p_acc)
+            p_acc = optax.apply_updates(p_acc, u)
+    np.testing.assert_allclose(p_acc, p_big, rtol=1e-6)
+    assert int(s_acc.inner_state[0].count) == 3
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"]
+)
+def test_every_k_1_is_bit_identical_to_inner(dtype):
+    inner = optax.chain(optax.clip(0.3), optax.adam(1e-2))
+    tx = gradtools.accumulate(inner, 1)
+    params = {"w": jnp.asarray(W0, dtype), "b": jnp.zeros((2, 2), dtype)}
+    grads = [
+        jax.tree.map(lambda p, i=i: jnp.asarray(RNG.normal(size=p.shape), dtype) * (i - 1), params)
+        for i in range(4)
+    ]  # the second is -0.0 everywhere: 0 + -0.0 would lose the sign
+    ref_u, ref_state = updates_and_state(inner, params, grads)
+    got_u, got_state = updates_and_state(tx, params, grads)
+    for r, g in zip(ref_u, got_u):
+        chex.assert_trees_all_equal(r, g, strict=True)
+    chex.assert_trees_all_equal(ref_state, got_state.inner_state, strict=True)
+    assert isinstance(got_state, gradtools.AccumulateState)
+    assert got_state.acc_grads == ()  # no buffer kept
+    assert int(gradtools.metrics(got_state)["micro_step"]) == 0
+
+
+def test_weighted_micro_batches_equal_big_batch_mean():
+    sizes = [32, 32, 32, 7]
+    x = RNG.normal(size=(sum(sizes), 3)).astype(np.float32)
+    y = RNG.normal(size=(sum(sizes),)).astype(np.float32)
+    tx = gradtools.accumulate(optax.sgd(1.0), 4)
+    cuts = np.cumsum(sizes)[:-1]
+    grads = [
+        jax.grad(loss)(jnp.asarray(W0), a, b) for a, b in zip(np.split(x, cuts), np.split(y, cuts))
+    ]
+    outs, state = updates_and_state(tx, jnp.asarray(W0), grads, weight=[float(s) for s in sizes])
+    np.testing.assert_allclose(-outs[-1], np_grad(W0, x, y), rtol=1e-6)
+    # The plain mean of the four micro-batch means is a different number.
+    assert not np.allclose(-outs[-1], np.mean([np.asarray(g) for g in grads], 0), rtol=1e-3)
+    assert all(not np.any(o) for o in outs[:-1])
+    assert int(state.micro_step) == 0 and float(state.window_weight) == 0.0
+
+
+def test_sum_instead_of_mean():
+    tx = gradtools.accumulate(optax.sgd(1.0), 3, average=False)
+    grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 7.0])]
+    outs, _ = updates_and_state(tx, jnp.zeros(2), grads, weight=[1.0, 2.0, 1.0])
+    np.testing.assert_array_equal(outs[-1], -np.array([1 + 6 + 5, 2 + 8 + 7.0]))
+
+
+def test_flush_after_two_of_four_then_clean_window():
+    tx = gradtools.accumulate(optax.sgd(1.0), 4)
+    g = [jnp.array([float(i), 10.0 * i]) for i in range(1, 7)]
+    flush = [jnp.asarray(i == 1) for i in range(6)]
+    outs, state = updates_and_state(tx, jnp.zeros(2), g, flush=flush)
+    np.testing.assert_array_equal(outs[1], -np.mean(g[0:2], 0))  # the mean of those 2
+    assert not np.any(np.stack(outs[2:5]))
+    # The next window holds exactly the four micro-batches after the flush.
+    np.testing.assert_allclose(outs[5], -np.mean(g[2:6], 0), rtol=1e-6)
+    assert int(state.micro_step) == 0 and float(state.window_weight) == 0.0
+
+
+def test_epoch_of_ten_batches_gives_three_updates_and_loses_none():
+    tx = gradtools.accumulate(optax.sgd(1.0), 4)
+    g = [jnp.asarray(RNG.normal(size=3), jnp.float32) for _ in range(10)]
+    flush = [jnp.asarray(i == 9) for i in range(10)]
+    outs, state = updates_and_state(tx, jnp.zeros(3), g, flush=flush)
+    applied = [i for i, o in enumerate(outs) if np.any(o)]
+    assert applied == [3, 7, 9]
+    for i, window in zip(applied, [g[0:4], g[4:8], g[8:10]]):
+        np.testing.assert_allclose(outs[i], -np.mean(window, 0), rtol=1e-6)
+    assert int(state.micro_step) == 0
+
+
+def test_inner_count_and_schedule_advance_once_per_window():
+    schedule = lambda step: 1.0 / (step + 1.0)  # noqa: E731
+    tx = gradtools.accumulate(optax.chain(optax.scale_by_adam(), optax.sgd(schedule)), 3)
+    g = [jnp.full(2, 2.0)] * 9
+    update = jax.jit(tx.update)
+    state, lrs = tx.init(jnp.zeros(2)), []
+    for i, gi in enumerate(g):
+        u, state = update(gi, state, jnp.zeros(2))
+        if i % 3 == 2:
+            # adam on a constant gradient gives a unit step; sgd scales it by -lr.
+            lrs.append(-float(u[0]))
+    np.testing.assert_allclose(lrs, [1.0, 0.5, 1 / 3], rtol=1e-4)
+    adam_state, sched_state = state.inner_state[0], state.inner_state[1]
+    assert int(adam_state.count) == 3
+    assert int(optax.tree.get(sched_state, "count")) == 3
+
+
+def scaled(g, state):
+    return jax.tree.map(lambda x: x * gradtools.loss_scale(state), g)
+
+
+def test_nan_micro_step_skips_whole_window_under_inner_loss_scale():
+    tx = gradtools.accumulate(
+        gradtools.dynamic_loss_scale(optax.sgd(1.0), init_scale=64.0, growth_interval=100), 2
+    )
+    update = jax.jit(tx.update)
+    params, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+    true = [
+        jnp.array([1.0, 2.0]),
+        jnp.array([jnp.nan, 1.0]),
+        jnp.array([3.0, 5.0]),
+        jnp.array([1.0, 1.0]),
+    ]
+    outs = []
+    for g in true:
+        u, state = update(scaled(g, state), state, params)
+        outs.append(u)
+    np.testing.assert_array_equal(outs[1], np.zeros(2))  # the whole window is skipped
+    m = gradtools.metrics(state)
+    assert float(m["loss_scale"]) == 32.0 and int(m["skipped_steps"]) == 1  # backed off once
+    np.testing.assert_array_equal(outs[3], -np.array([2.0, 3.0]))  # the next window is clean
+    assert bool(m["finite"])
+
+
+def test_nan_micro_batch_dropped_under_outer_loss_scale():
+    tx = gradtools.dynamic_loss_scale(
+        gradtools.accumulate(optax.sgd(1.0), 2), init_scale=64.0, growth_interval=100
+    )
+    update = jax.jit(tx.update)
+    params, state = jnp.zeros(2), tx.init(jnp.zeros(2))
+    true = [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 1.0]), jnp.array([3.0, 6.0])]
+    outs = []
+    for g in true:
+        u, state = update(scaled(g, state), state, params)
+        outs.append(u)
+        if len(outs) == 2:
+            assert int(gradtools.metrics(state)["micro_step"]) == 1  # the window survives
+    np.testing.assert_array_equal(outs[2], -np.array([2.0, 4.0]))  # mean of the good two
+    m = gradtools.metrics(state)
+    assert float(m["loss_scale"]) == 32.0 and int(m["skipped_steps"]) == 1
+
+
+def test_skip_microstep_drops_nonfinite_without_loss_scaler():
+    tx = gradtools.accumulate(optax.sgd(1.0), 2, on_nonfinite="skip_microstep")
+    g = [jnp.array([1.0, 2.0]), jnp.array([jnp.nan, 1.0]), jnp.array([3.0, 6.0])]
+    outs, state = updates_and_state(tx, jnp.zeros(2), g)
+    assert not np.any(outs[1])
+    np.testing.assert_array_equal(outs[2], -np.array([2.0, 4.0]))
+    assert int(state.dropped_micro_steps) == 1 and int(state.micro_step) == 0
+
+
+def test_propagate_hands_nan_window_on_and_next_window_is_clean():
+    tx = gradtools.accumulate(optax.sgd(1.0), 2)
+    g = [
+        jnp.array([1.0, jnp.nan]),
+        jnp.array([1.0, 1.0]),
+        jnp.array([1.0, 2.0]),
+        jnp.array([3.0, 4.0]),
+    ]
+    outs, state = updates_and_state(tx, jnp.zeros(2), g)
+    assert np.isnan(outs[1][1])  # propagate: inner receives the NaN, as asked
+    np.testing.assert_array_equal(outs[3], -np.array([2.0, 3.0]))  # no NaN survives the reset
+    assert int(state.dropped_micro_steps) == 0
+
+
+def test_zero_negative_and_nan_weights_never_give_nan():
+    tx = gradtools.accumulate(optax.adam(0.1), 2)
+    params = jnp.zeros(2)
+    g = [
+        jnp.array([1.0, 2.0]),
+        jnp.array([jnp.nan, 5.0]),
+        jnp.array([4.0, 4.0]),
+        jnp.array([9.0, 9.0]),
+    ]
+    g += [jnp.array([3.0, 3.0]), jnp.array([1.0, 1.0])]
+    weights = [0.0, 0.0, 2.0, -1.0, 1.0, jnp.nan]
+    outs, state = updates_and_state(tx, params, g, weight=[jnp.float32(w) for w in weights])
+    assert all(np.all(np.isfinite(o)) for o in outs)
+    assert not np.any(outs[1])  # total weight 0: the window is dropped ...
+    assert int(state.inner_state[0].count) == 2  # ... and adam's count did not move for it
+    ref, ref_state = updates_and_state(optax.adam(0.1), params, [g[2], g[4]])
+    np.testing.assert_allclose(outs[3], ref[0], rtol=1e-6)  # weight -1 counts as 0
+    np.testing.assert_allclose(outs[5], ref[1], rtol=1e-6)  # weight NaN counts as 0
+
+
+@pytest.mark.parametrize("gdtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("pdtype", [jnp.float32, "same"], ids=["f32-params", "half-params"])
+def test_half_gradients_accumulate_in_float32(gdtype, pdtype):
+    pdtype = gdtype if pdtype == "same" else pdtype
+    # 256 + 1 is not representable in bf16 (nor 2048 + 1 in fp16): a half-precision
+    # running sum drops the small terms, the float32 buffer keeps them.
+    big = 256.0 if gdtype == jnp.bfloat16 else 2048.0
+    vals = np.array([[big, 1.0], [1.0, 1.0], [1.0, 3.0], [1.0, 1.0]])
+    g = [jnp.asarray(v, gdtype) for v in vals]
+    params = jnp.zeros(2, pdtype)
+    outs, state = updates_and_state(gradtools.accumulate(optax.sgd(1.0), 4), params, g)
+    want = (-vals.mean(0)).astype(jnp.dtype(pdtype))  # one rounding, from the exact mean
+    np.testing.assert_array_equal(np.asarray(outs[-1]), want)
+    assert all(o.dtype == jnp.dtype(pdtype) for o in outs)  # micro-steps too
+    assert state.acc_grads.dtype == jnp.float32
+    half, _ = updates_and_state(gradtools.accumulate(optax.sgd(1.0), 4, dtype=gdtype), params, g)
+    assert not np.array_equal(np.asarray(half[-1]).astype(np.float64), want.astype(np.float64))
+
+
+def test_state_structure_mixed_dtypes_none_and_shape_dtype_struct():
+    params = {
+        "a": jnp.zeros((2, 3), jnp.bfloat16),
+        "b": jnp.zeros(4, jnp.float16),
+        "c": None,
+        "d": {},
+        "e": jnp.zeros(3),
+    }
+    tx = gradtools.accumulate(optax.adam(1e-3), 2)
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    state0 = tx.init(shapes)
+    grads = jax.tree.map(jnp.ones_like, params)
+    update = jax.jit(tx.update)
+    _, s1 = update(grads, state0, params)
+    u2, s2 = update(grads, s1, params)
+    for s in (s1, s2):
+        chex.assert_trees_all_equal_structs(state0, s)
+        chex.assert_trees_all_equal_dtypes(state0, s)
+    assert state0.micro_step.dtype == jnp.int32 and state0.window_weight.dtype == jnp.float32
+    assert u2["c"] is None and u2["d"] == {}
+    assert u2["a"].dtype == jnp.bfloat16 and u2["b"].dtype == jnp.float16
+
+
+def test_one_trace_across_micro_update_and_flush_steps():
+    tx = gradtools.accumulate(optax.adam(1e-3), 3)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, state, g, weight, flush):
+        u, state = tx.update(g, state, params, weight=weight, flush=flush)
+        return optax.apply_updates(params, u), state
+
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    applied = []
+    for i in range(7):
+        before = params
+        flush = jnp.asarray(i == 4)
+        params, state = step(params, state, jnp.ones(2), jnp.float32(i + 1), flush)
+        applied.append(bool(np.any(params != before)))
+    assert applied == [False, False, True, False, True, False, False]
+
+
+def test_metrics_report_micro_step_and_grad_norm():
+    tx = gradtools.accumulate(optax.chain(gradtools.clip_by_global_norm(1.0), optax.sgd(1.0)), 3)
+    update = jax.jit(tx.update)
+    state = tx.init(jnp.zeros(2))
+    _, state = update(jnp.array([3.0, 4.0]), state, jnp.zeros(2))
+    m = gradtools.metrics(state)
+    assert int(m["micro_step"]) == 1 and m["micro_step"].dtype == jnp.int32
+    assert float(m["grad_norm"]) == 0.0  # the inner clip has not run yet
+    for g in ([3.0, 4.0], [3.0, 4.0]):
+        _, state = update(jnp.array(g), state, jnp.zeros(2))
+    m = gradtools.metrics(state)
+    assert int(m["micro_step"]) == 0 and float(m["grad_norm"]) == 5.0
+
+
+def test_extra_args_reach_inner_on_emitting_steps():
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, mult=1.0, **extra):
+        del params, extra
+        return jax.tree.map(lambda u: u * mult, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(init, update)
+    tx = gradtools.accumulate(inner, 2)
+    step = jax.jit(lambda g, s, m: tx.update(g, s, mult=m))
+    state = tx.init(jnp.zeros(2))
+    u, state = step(jnp.array([1.0, 2.0]), state, 5.0)
+    assert not np.any(u)
+    u, state = step(jnp.array([3.0, 4.0]), state, 10.0)
+    np.testing.assert_array_equal(u, [20.0, 30.0])
+
+
+def test_every_k_1_skip_rules():
+    tx = gradtools.accumulate(optax.sgd(1.0), 1, on_nonfinite="skip_microstep")
+    g = [jnp.array([1.0, jnp.nan]), jnp.array([1.0, 2.0]), jnp.array([3.0, 3.0])]
+    outs, state = updates_and_state(tx, jnp.zeros(2), g, weight=[1.0, 0.0, 2.0])
+    np.testing.assert_array_equal(np.stack(outs), [[0, 0], [0, 0], [-3.0, -3.0]])
+    assert int(state.dropped_micro_steps) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every_k": 0}, "every_k"),
+        ({"every_k": 2.0}, "every_k"),
+        ({"every_k": True}, "every_k"),
+        ({"every_k": 2, "on_nonfinite": "skip"}, "on_nonfinite"),
+        ({"every_k": 2, "average": "yes"}, "average"),
+        ({"every_k": 2, "dtype": jnp.int32}, "dtype"),
+        ({"every_k": 2, "dtype": None}, "dtype"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradtools.accumulate(optax.sgd(0.1), **kwargs)
+
+
+def test_bad_inner_and_runtime_arguments():
+    with pytest.raises(TypeError, match="inner"):
+        gradtools.accumulate(lambda g: g, 2)  # type: ignore[arg-type]
+    tx = gradtools.accumulate(optax.sgd(0.1), 2)
+    state = tx.init(jnp.zeros(2))
+    with pytest.raises(ValueError, match="weight"):
+        jax.jit(tx.update)(jnp.ones(2), state, weight=jnp.ones(2))
+    with pytest.raises(ValueError, match="flush"):
+        jax.jit(tx.update)(jnp.ones(2), state, flush=jnp.ones(2, bool))
+
+
+def test_no_recompile_between_python_and_array_flush_values():
+    tx = gradtools.accumulate(optax.sgd(0.1), 2)
+    traces = []
+
+    @jax.jit
+    def step(g, state, flush):
+        traces.append(None)
+        return tx.update(g, state, flush=flush)
+
+    state = tx.init(jnp.zeros(2))
+    for f in (False, True, False):
+        _, state = step(jnp.ones(2), state, jnp.asarray(f))
+    assert len(traces) == 1
+
+
+def test_gradtools_only_path_under_strict_dtypes(strict_dtypes):
+    params = {"a": jnp.zeros(3, jnp.bfloat16), "b": jnp.zeros(2, jnp.float16), "c": jnp.zeros(2)}
+    g = jax.tree.map(lambda p: jnp.full_like(p, 3.0), params)
+    for k, mode in [(2, "propagate"), (2, "skip_microstep"), (1, "skip_microstep")]:
+        tx = gradtools.accumulate(optax.identity(), k, on_nonfinite=mode)
+        update = jax.jit(tx.update)
+        state = tx.init(params)
+        for _ in range(k):
+            u, state = update(g, state, params, weight=jnp.float32(2.0), flush=jnp.array(False))
+        chex.assert_trees_all_equal(u, g, strict=True)
+
+
+def test_sharded_params_keep_their_sharding():
+    mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    params = {"w": jax.device_put(jnp.zeros(8), sharding)}
+    tx = gradtools.accumulate(optax.adam(0.1), 2)
+    state = jax.jit(tx.init)(params)
+    update = jax.jit(tx.update)
+    for _ in range(2):
+        u, state = update(jax.tree.map(jnp.ones_like, params), state, params)
+        for x in (u["w"], state.acc_grads["w"], state.inner_state[0].mu["w"]):
+            assert x.sharding.is_equivalent_to(sharding, 1)

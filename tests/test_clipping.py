@@ -1,0 +1,200 @@
+"""Tests for gradtools.clip_by_global_norm and gradtools.global_norm."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradtools
+
+RNG = np.random.default_rng(1)
+
+
+def mixed_tree():
+    return {
+        "f32": jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32),
+        "bf16": jnp.asarray(RNG.normal(size=5) * 3, jnp.bfloat16),
+        "f16": jnp.asarray(RNG.normal(size=(2, 2)) * 10, jnp.float16),
+        "none": None,
+        "empty": {},
+        "zero_size": jnp.zeros((0, 3)),
+    }
+
+
+def np_norm(tree, p):
+    """Reference: the p-norm of all elements, in float64."""
+    x = np.concatenate([np.asarray(v, np.float64).ravel() for v in jax.tree.leaves(tree)])
+    if p == math.inf:
+        return np.max(np.abs(x))
+    return np.sum(np.abs(x) ** p) ** (1 / p)
+
+
+@pytest.mark.parametrize("p", [1, 2.0, 3, math.inf], ids=["L1", "L2", "L3", "Linf"])
+def test_global_norm_matches_numpy(p):
+    tree = mixed_tree()
+    got = jax.jit(lambda t: gradtools.global_norm(t, norm_type=p))(tree)
+    assert got.dtype == jnp.float32 and got.shape == ()
+    np.testing.assert_allclose(got, np_norm(tree, p), rtol=1e-6)
+
+
+def test_global_norm_large_p_does_not_overflow():
+    tree = {"a": jnp.array([10.0, -20.0, 5.0]), "b": jnp.array([15.0])}
+    got = gradtools.global_norm(tree, norm_type=40)  # 20**40 overflows float32
+    assert np.isfinite(got)
+    np.testing.assert_allclose(got, np_norm(tree, 40), rtol=1e-6)
+
+
+def test_global_norm_empty_and_nonfinite():
+    assert float(gradtools.global_norm({})) == 0.0
+    assert float(gradtools.global_norm({"a": None})) == 0.0
+    assert np.isinf(gradtools.global_norm({"a": jnp.array([1.0, jnp.inf])}))
+    assert np.isnan(gradtools.global_norm({"a": jnp.array([1.0, jnp.nan])}, norm_type=3))
+
+
+def test_fp16_squares_overflow_in_optax_not_here():
+    # 300**2 = 90000 > 65504, the float16 maximum.
+    update = {"w": jnp.full((4,), 300.0, jnp.float16)}
+    norm = gradtools.global_norm(update)
+    np.testing.assert_allclose(norm, 600.0, rtol=1e-6)  # sqrt(4 * 300**2)
+    ours, state = jax.jit(gradtools.clip_by_global_norm(60.0).update)(
+        update, gradtools.clip_by_global_norm(60.0).init(update)
+    )
+    assert ours["w"].dtype == jnp.float16
+    np.testing.assert_allclose(ours["w"].astype(np.float32), np.full(4, 30.0), rtol=1e-3)
+    assert float(state.grad_norm) == pytest.approx(600.0)
+    theirs, _ = jax.jit(optax.clip_by_global_norm(60.0).update)(update, optax.EmptyState())
+    t = np.asarray(theirs["w"], np.float32)
+    assert np.all((t == 0) | np.isnan(t))  # optax's update is lost
+
+
+def test_clip_scales_to_max_norm_and_matches_optax_in_float32():
+    tree = {"a": jnp.asarray(RNG.normal(size=(4, 3)), jnp.float32), "b": jnp.ones(2)}
+    norm = np_norm(tree, 2)
+    max_norm = 0.5 * norm
+    tx = gradtools.clip_by_global_norm(max_norm)
+    got, state = jax.jit(tx.update)(tree, tx.init(tree))
+    for k in tree:
+        np.testing.assert_allclose(got[k], np.asarray(tree[k]) * (max_norm / norm), rtol=1e-6)
+    np.testing.assert_allclose(np_norm(got, 2), max_norm, rtol=1e-6)
+    np.testing.assert_allclose(state.grad_norm, norm, rtol=1e-6)
+    ref, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+    chex.assert_trees_all_close(got, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("p", [1, 2, math.inf])
+def test_clip_with_other_norm_types(p):
+    tree = {"a": jnp.array([3.0, -4.0]), "b": jnp.array([12.0])}
+    tx = gradtools.clip_by_global_norm(1.0, norm_type=p)
+    got, state = jax.jit(tx.update)(tree, tx.init(tree))
+    np.testing.assert_allclose(state.grad_norm, np_norm(tree, p), rtol=1e-6)
+    np.testing.assert_allclose(np_norm(got, p), 1.0, rtol=1e-6)
+
+
+def test_boundary_norm_equal_or_below_passes_unchanged():
+    tree = {"a": jnp.array([3.0, 4.0], jnp.float32), "b": jnp.array([0.1, -0.2], jnp.bfloat16)}
+    norm = float(gradtools.global_norm(tree))
+    for max_norm in (norm, 2 * norm):
+        tx = gradtools.clip_by_global_norm(max_norm)
+        got, _ = jax.jit(tx.update)(tree, tx.init(tree))
+        chex.assert_trees_all_equal(got, tree, strict=True)
+
+
+def test_nonfinite_norm_passes_updates_and_records_it():
+    tree = {"a": jnp.array([1.0, jnp.inf]), "b": jnp.array([2.0, 3.0])}
+    tx = gradtools.clip_by_global_norm(1.0)
+    got, state = jax.jit(tx.update)(tree, tx.init(tree))
+    chex.assert_trees_all_equal(got, tree)
+    assert np.isinf(state.grad_norm) and not bool(gradtools.all_finite(got))
+
+
+def test_clipping_after_unscaling_is_scale_independent():
+    params = {"w": jnp.array([0.5, -0.5, 1.0])}
+    true = [{"w": jnp.array([30.0, -40.0, 0.0])}, {"w": jnp.array([0.3, 0.4, 1.2])}]
+
+    def train(tx, scale_grads):
+        update = jax.jit(tx.update)
+        p, state = params, tx.init(params)
+        for g in true:
+            s = gradtools.loss_scale(state) if scale_grads else 1.0
+            u, state = update(jax.tree.map(lambda x, s=s: x * s, g), state, p)
+            p = optax.apply_updates(p, u)
+        return p, state
+
+    inner = lambda: optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(0.1))  # noqa: E731
+    ref, _ = train(inner(), False)
+    for scale in (2.0**4, 2.0**12):
+        got, state = train(gradtools.dynamic_loss_scale(inner(), init_scale=scale), True)
+        chex.assert_trees_all_close(got, ref, rtol=1e-6)
+        assert float(gradtools.metrics(state)["grad_norm"]) == pytest.approx(1.3, rel=1e-6)
+
+
+def test_state_dtypes_metrics_and_one_trace():
+    tx = gradtools.clip_by_global_norm(1.0)
+    params = {"a": jnp.zeros(3, jnp.float16), "b": None}
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    state = tx.init(shapes)
+    assert state.grad_norm.dtype == jnp.float32
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(g, state):
+        return tx.update(g, state)
+
+    for v in (1.0, 0.1, 3.0):
+        u, new_state = step({"a": jnp.full(3, v, jnp.float16), "b": None}, state)
+        chex.assert_trees_all_equal_structs(state, new_state)
+        chex.assert_trees_all_equal_dtypes(state, new_state)
+        assert u["a"].dtype == jnp.float16 and u["b"] is None
+        state = new_state
+    assert float(gradtools.metrics(state)["grad_norm"]) == pytest.approx(3 * math.sqrt(3), rel=1e-3)
+
+
+def test_max_norm_under_inject_hyperparams():
+    tx = optax.inject_hyperparams(gradtools.clip_by_global_norm)(max_norm=2.0)
+    g = {"w": jnp.array([3.0, 4.0])}
+    state = tx.init(g)
+    u, state = jax.jit(tx.update)(g, state)
+    np.testing.assert_allclose(u["w"], [1.2, 1.6], rtol=1e-6)
+    state.hyperparams["max_norm"] = jnp.asarray(10.0)
+    u, _ = jax.jit(tx.update)(g, state)
+    np.testing.assert_allclose(u["w"], [3.0, 4.0])
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -1.0, math.inf, math.nan, "big"])
+def test_bad_max_norm(max_norm):
+    with pytest.raises(ValueError, match="max_norm"):
+        gradtools.clip_by_global_norm(max_norm)
+
+
+@pytest.mark.parametrize("norm_type", [0.5, 0, -math.inf, math.nan, "l2", True, None])
+def test_bad_norm_type(norm_type):
+    with pytest.raises(ValueError, match="norm_type"):
+        gradtools.clip_by_global_norm(1.0, norm_type=norm_type)
+    with pytest.raises(ValueError, match="norm_type"):
+        gradtools.global_norm({"a": jnp.ones(2)}, norm_type=norm_type)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf], ids=["L1", "L2", "L3", "Linf"])
+def test_injected_norm_type_is_traced_and_still_right(p):
+    # inject_hyperparams injects every numeric argument, defaults included.
+    tree = mixed_tree()
+    inject = optax.inject_hyperparams(gradtools.clip_by_global_norm, hyperparam_dtype=jnp.float32)
+    tx = inject(max_norm=1e-3, norm_type=p)
+    _, state = jax.jit(tx.update)(tree, tx.init(tree))
+    assert "norm_type" in state.hyperparams
+    np.testing.assert_allclose(state.inner_state.grad_norm, np_norm(tree, p), rtol=1e-6)
+    norm = jax.jit(gradtools.global_norm)(tree, jnp.float32(p))
+    np.testing.assert_allclose(norm, np_norm(tree, p), rtol=1e-6)
+
+
+def test_mixed_half_tree_under_strict_dtypes(strict_dtypes):
+    tree = {"a": jnp.full(3, 300.0, jnp.bfloat16), "b": jnp.full(2, 300.0, jnp.float16)}
+    tx = gradtools.clip_by_global_norm(1.0, norm_type=3)
+    got, state = jax.jit(tx.update)(tree, tx.init(tree))
+    np.testing.assert_allclose(state.grad_norm, 300.0 * 5 ** (1 / 3), rtol=1e-6)
+    assert got["a"].dtype == jnp.bfloat16 and got["b"].dtype == jnp.float16
+    np.testing.assert_allclose(got["b"].astype(np.float32), 5 ** (-1 / 3), rtol=1e-3)
