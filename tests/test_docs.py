@@ -69,8 +69,8 @@ def _blocks(page: pathlib.Path, kind: str | None) -> list[tuple[int, str]]:
 def _run(page: pathlib.Path, blocks: list[tuple[int, str]]) -> None:
     namespace: dict = {"__name__": f"docs.{page.stem}"}
     for line, code in blocks:
-        name = f"{page.relative_to(ROOT)}:{line}"
-        exec(compile(code, name, "exec"), namespace)
+        # Pad with the lines above the block so tracebacks give the page's line numbers.
+        exec(compile("\n" * line + code, str(page.relative_to(ROOT)), "exec"), namespace)
 
 
 def _id(page: pathlib.Path) -> str:
