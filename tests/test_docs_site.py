@@ -132,3 +132,100 @@ def test_a_missing_page_is_not_taken_for_a_page(server, tmp_path):
     dom = _dom(f"{server}/no-such-page/", tmp_path / "profile")
     with pytest.raises(AssertionError, match="title"):
         _check_rendered(dom, "gradtools", "gradtools")
+
+
+def _build_copy(tmp_path: pathlib.Path, edit) -> subprocess.CompletedProcess:
+    """Builds a copy of the docs, changed by ``edit(docs_dir)``, against this checkout's code."""
+    _require_tools()
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", root / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
+    (root / "gradtools").symlink_to(ROOT / "gradtools", target_is_directory=True)
+    edit(root / "docs")
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=root,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_broken_reference_fails_the_build(tmp_path):
+    def edit(docs):
+        with open(docs / "index.md", "a") as f:
+            f.write("\nSee [`nothing`][gradtools.no_such_name].\n")
+
+    proc = _build_copy(tmp_path, edit)
+    assert proc.returncode != 0
+    assert "gradtools.no_such_name" in proc.stdout + proc.stderr
+
+
+def test_a_public_name_without_an_api_entry_fails_the_build(tmp_path):
+    def edit(docs):
+        page = docs / "api" / "loss_scale.md"
+        page.write_text(page.read_text().replace("::: gradtools.loss_scale.all_finite\n", ""))
+
+    proc = _build_copy(tmp_path, edit)
+    assert proc.returncode != 0
+    assert "without an API entry: ['all_finite']" in proc.stdout + proc.stderr
+
+
+def test_docstring_rest_is_rendered_as_markdown(caplog):
+    pytest.importorskip("griffe", reason="griffe is not installed: pip install -e '.[docs]'")
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        import griffe_rst
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    doc = "\n".join(
+        [
+            "Uses :func:`dynamic_loss_scale` and :class:`~gradtools.metrics`, 2**16.",
+            "",
+            "Each step does::",
+            "",
+            "  x = 1",
+            "",
+            "===  ====",
+            "key  type",
+            "===  ====",
+            "a    int",
+            "===  ====",
+            "",
+            ".. list-table:: Spellings",
+            "   :header-rows: 1",
+            "",
+            "   * - ours",
+            "     - theirs",
+            "   * - ``a``",
+            "     - ``b``",
+            "       continued",
+            "",
+            "Args:",
+            "  n: a count; an int",
+            "    >= 1.",
+            "",
+            "Example:",
+            "  >>> 2**3",
+            "  8",
+            "",
+            "References:",
+            "  Someone, `A title",
+            "  <https://example.org/x>`_, 2020.",
+        ]
+    )
+    out = griffe_rst.rst_to_markdown(doc, "gradtools.loss_scale").splitlines()
+    assert out[0] == (
+        "Uses [`dynamic_loss_scale`][gradtools.loss_scale.dynamic_loss_scale] and "
+        "[`metrics`][gradtools.metrics.metrics], 2\\*\\*16."
+    )
+    assert out[2:7] == ["Each step does:", "", "```python", "x = 1", "```"]
+    assert "| key | type |" in out and "| a | int |" in out
+    assert "**Spellings**" in out and "| ``a`` | ``b`` continued |" in out
+    assert "    \\>= 1." in out  # not a block quote
+    assert "Examples:" in out and "  >>> 2**3" in out  # doctests left alone
+    assert "  Someone, [A title](https://example.org/x), 2020." in out
+    with caplog.at_level("WARNING"):
+        griffe_rst.rst_to_markdown(".. math:: x", "gradtools.m")
+    assert "reST that renders verbatim" in caplog.text
