@@ -128,6 +128,18 @@ def test_api_page_renders(server, tmp_path):
     assert 'href="#gradtools.loss_scale.LossScaleState"' in dom
 
 
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.skipif(not NOTEBOOKS, reason="no notebooks in notebooks/ yet")
+def test_a_notebook_page_renders_its_outputs(server, tmp_path):
+    notebook = NOTEBOOKS[0]
+    dom = _dom(f"{server}/notebooks/{notebook.stem}/", tmp_path / "profile")
+    assert re.search(r'<html[^>]*class="[^"]*\bjs\b', dom), "the page's scripts did not run"
+    assert "jp-OutputArea" in dom, f"{notebook.name}: no cell outputs on the page"
+    assert "Traceback" not in _text(dom), f"{notebook.name}: the page shows an error"
+
+
 def test_a_missing_page_is_not_taken_for_a_page(server, tmp_path):
     dom = _dom(f"{server}/no-such-page/", tmp_path / "profile")
     with pytest.raises(AssertionError, match="title"):
