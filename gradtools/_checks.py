@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Hashable
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import jax.core as jax_core
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +25,17 @@ __all__ = [
     "finite_non_negative",
     "finite_positive",
     "float_dtype",
+    "floating",
+    "hashable",
     "in_open_interval",
     "is_bool",
     "is_transform",
+    "numeric",
+    "numeric_leaves",
     "one_of",
     "positive_int",
     "regex",
+    "static",
     "traced",
 ]
 
@@ -38,7 +45,18 @@ def traced(value: Any) -> bool:
     return isinstance(value, jax_core.Tracer)
 
 
+def static(name: str, value: Any, why: str) -> None:
+    """Checks that ``value`` is not traced; ``why`` says what it decides."""
+    if traced(value):
+        raise ValueError(
+            f"{name}={value!r} cannot be traced: {why}. Under optax.inject_hyperparams, "
+            f"name {name!r} in static_args."
+        )
+
+
 def _real(name: str, value: Any) -> float:
+    if isinstance(value, (str, bytes)):  # float('1e-3') would accept them
+        raise ValueError(f"{name}={value!r} must be a real number, not a string")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         try:
             value = float(value)  # numpy and jax scalars
@@ -117,10 +135,48 @@ def regex(name: str, value: Any) -> re.Pattern[str]:
 
 
 def float_dtype(name: str, value: Any) -> None:
-    """Checks that ``value`` names a floating-point dtype."""
+    """Checks that ``value`` names a floating-point dtype (an array does not)."""
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        # optax.inject_hyperparams turns the callable jnp.float32 into a schedule.
+        raise ValueError(
+            f"{name}={value!r} must be a floating dtype, e.g. jnp.float32, not an array. "
+            f"Under optax.inject_hyperparams, name {name!r} in static_args."
+        )
     try:
         dtype = None if value is None else np.dtype(value)
     except TypeError:
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{name}={value!r} must be a floating dtype, e.g. jnp.float32")
+
+
+def hashable(name: str, value: Any) -> None:
+    """Checks that ``value`` is ``None`` or hashable, as axis names must be."""
+    if value is not None and not isinstance(value, Hashable):
+        raise TypeError(f"{name}={value!r} must be a hashable axis name, e.g. 'batch', or None")
+
+
+def numeric(x: Any) -> bool:
+    """Whether ``x`` is a number, or a numeric or bool array (or tracer)."""
+    if isinstance(x, (bool, int, float, complex)):
+        return True
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return bool(jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))
+
+
+def floating(caller: str, name: str, value: Any) -> None:
+    """Checks that ``value`` is a floating-point number or array (or tracer)."""
+    if not (numeric(value) and jnp.issubdtype(jnp.result_type(value), jnp.floating)):
+        raise TypeError(f"{caller}: {name}={value!r} must be a floating-point number or array")
+
+
+def numeric_leaves(caller: str, name: str, tree: Any) -> list[Any]:
+    """The leaves of ``tree``, each checked to be a numeric array (or tracer) or number."""
+    pairs = jax.tree_util.tree_leaves_with_path(tree)
+    for path, x in pairs:
+        if not numeric(x):
+            raise TypeError(
+                f"{caller}: {name}{jax.tree_util.keystr(path)}={x!r} must be a numeric array"
+            )
+    return [x for _, x in pairs]

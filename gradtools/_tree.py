@@ -7,7 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["scale_f32", "zeros_like_shapes"]
+__all__ = ["check_like", "scale_f32", "zeros_like_shapes"]
+
+_MAX_SHOWN = 10  # how many differing paths an error message lists
 
 
 def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
@@ -45,3 +47,44 @@ def zeros_like_shapes(shapes: Any) -> Any:
         treedef,
         [jnp.broadcast_to(seeds[i].astype(s.dtype), s.shape) for i, s in enumerate(leaves)],
     )
+
+
+def _shorten(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> None:
+    """Raises a ``ValueError`` if ``params`` is given and not structured like ``updates``.
+
+    Run at trace time, so that a tree mismatch names both trees instead of
+    failing inside ``jax.tree.map`` or the inner optimizer.
+
+    Args:
+      caller: the transform's name, to start the message.
+      updates: the gradients or updates passed to ``update``.
+      params: the params passed to ``update`` (or a tree built from them by
+        ``init``); ``None`` means there is nothing to check.
+      name: what ``params`` is called in the message.
+
+    Raises:
+      ValueError: if the tree structures differ.
+    """
+    if params is None:
+        return
+    u_def, p_def = jax.tree.structure(updates), jax.tree.structure(params)
+    if u_def != p_def:
+        u_paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(updates)
+        ]
+        p_paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
+        ]
+        u_set, p_set = set(u_paths), set(p_paths)
+        only_u = [k for k in u_paths if k not in p_set][:_MAX_SHOWN]
+        only_p = [k for k in p_paths if k not in u_set][:_MAX_SHOWN]
+        raise ValueError(
+            f"{caller}: the updates and the {name} differ in tree structure; pass the "
+            "gradients of the params given to init, and those params.\n"
+            f"  leaves only in updates: {only_u}\n  leaves only in {name}: {only_p}\n"
+            f"  updates: {_shorten(str(u_def))}\n  {name}: {_shorten(str(p_def))}"
+        )

@@ -61,6 +61,8 @@ class AccumulateState(NamedTuple):
 
 def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
     """The float32 weight of one micro-batch and whether it counts (finite, > 0)."""
+    if not _checks.numeric(weight):
+        raise ValueError(f"weight={weight!r} must be a scalar number (the micro-batch's weight)")
     w = jnp.asarray(weight).astype(jnp.float32)
     if w.shape != ():
         raise ValueError(f"weight must be a scalar, got an array of shape {w.shape}")
@@ -69,8 +71,8 @@ def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def _flush_flag(flush: Any) -> jax.Array:
-    flag = jnp.asarray(flush)
-    if flag.shape != () or flag.dtype != jnp.bool_:
+    flag = jnp.asarray(flush) if _checks.numeric(flush) else None
+    if flag is None or flag.shape != () or flag.dtype != jnp.bool_:
         raise ValueError(f"flush must be a scalar bool (Python or traced), got {flush!r}")
     return flag
 
@@ -152,7 +154,9 @@ def accumulate(
       TypeError: if ``inner`` is not a GradientTransformation.
       ValueError: if ``every_k`` is not an int >= 1, ``average`` is not a bool,
         ``dtype`` is not a floating dtype or ``on_nonfinite`` is unknown; at
-        trace time, if ``weight`` or ``flush`` is not a scalar.
+        trace time, if ``weight`` or ``flush`` is not a scalar, or ``every_k``
+        is traced (under ``optax.inject_hyperparams``, pass
+        ``static_args=('every_k', 'dtype')``).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -173,6 +177,7 @@ def accumulate(
       accumulation with ``accu_overflow`` under a loss scaler.
     """
     _checks.is_transform("inner", inner)
+    _checks.static("every_k", every_k, "it decides the structure of the state")
     _checks.positive_int("every_k", every_k)
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)
@@ -193,6 +198,9 @@ def accumulate(
         )
 
     def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
+        _tree.check_like("accumulate", updates, params)
+        if every_k > 1:
+            _tree.check_like("accumulate", updates, state.acc_grads, "acc_grads (from init)")
         flush = _flush_flag(flush)
         # take: whether this micro-batch's gradients enter the window (None: always).
         finite = all_finite(updates) if skip_nonfinite else None

@@ -118,6 +118,7 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
       A float32 scalar; 0 for an empty tree; inf or NaN if an element is.
 
     Raises:
+      TypeError: if a leaf of ``tree`` is not a numeric array or number.
       ValueError: if ``norm_type`` is below 1, NaN or not a number.
 
     Example:
@@ -128,6 +129,7 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
       >>> gradtools.global_norm({'a': jnp.array([3.0, -4.0])}, norm_type=1)
       Array(7., dtype=float32)
     """
+    _checks.numeric_leaves("global_norm", "tree", tree)
     return _global_norm(tree, _norm_type(norm_type))
 
 

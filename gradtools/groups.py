@@ -42,6 +42,7 @@ import numpy as np
 import optax
 
 from gradtools import _checks
+from gradtools import _tree
 
 __all__ = [
     "FreezeState",
@@ -338,6 +339,7 @@ def param_groups(
         return ParamGroupsState(_init_groups(txs, params, index_of(params)))
 
     def update_fn(updates, state, params=None, **extra_args):
+        _tree.check_like("param_groups", updates, params)
         index = index_of(updates)
         updates, states = _update_groups(
             txs, state.group_states, updates, params, index, extra_args
@@ -413,6 +415,7 @@ def freeze(
         return FreezeState(_init_groups(txs, params, index_of(params))[0])
 
     def update_fn(updates, state, params=None, **extra_args):
+        _tree.check_like("freeze", updates, params)
         states = (state.inner_state, optax.EmptyState())
         index = index_of(updates)
         updates, states = _update_groups(txs, states, updates, params, index, extra_args)

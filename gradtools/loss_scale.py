@@ -69,12 +69,15 @@ def all_finite(tree: Any) -> jax.Array:
     Returns:
       A scalar bool array, ``True`` for an empty tree.
 
+    Raises:
+      TypeError: if a leaf is not a numeric array or number.
+
     Example:
       >>> import jax.numpy as jnp
       >>> bool(gradtools.all_finite({'a': jnp.ones(3), 'b': jnp.array([1.0, jnp.inf])}))
       False
     """
-    leaves = jax.tree.leaves(tree)
+    leaves = _checks.numeric_leaves("all_finite", "tree", tree)
     if not leaves:
         return jnp.array(True)
     return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
@@ -84,6 +87,7 @@ _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array
 
 
 def _loss_scaler(
+    caller: str,
     inner: optax.GradientTransformation,
     init_scale: Any,
     adjust: _Adjust,
@@ -103,6 +107,7 @@ def _loss_scaler(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
+        _tree.check_like(caller, updates, params)
         grads = _tree.scale_f32(updates, 1.0 / state.loss_scale, params)
         finite = all_finite(grads)
         if axis_name is not None:
@@ -185,7 +190,8 @@ def dynamic_loss_scale(
       :class:`LossScaleState`; extra keyword arguments go to ``inner``.
 
     Raises:
-      TypeError: if ``inner`` is not a GradientTransformation.
+      TypeError: if ``inner`` is not a GradientTransformation or
+        ``axis_name`` is not hashable.
       ValueError: if ``init_scale``, ``min_scale`` or ``max_scale`` is not
         finite and positive, ``growth_factor <= 1``, ``backoff_factor`` is
         outside (0, 1), ``growth_interval`` is not an int >= 1,
@@ -213,6 +219,7 @@ def dynamic_loss_scale(
     _checks.finite_positive("max_scale", max_scale)
     _checks.in_open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
     _checks.positive_int("growth_interval", growth_interval)
+    _checks.hashable("axis_name", axis_name)
     concrete = not any(_checks.traced(v) for v in (init_scale, growth_factor, min_scale, max_scale))
     if concrete:
         if float(growth_factor) <= 1:
@@ -231,7 +238,7 @@ def dynamic_loss_scale(
         good_steps = jnp.where(finite & ~grow, good_steps, 0)
         return scale, good_steps
 
-    return _loss_scaler(inner, init_scale, adjust, True, axis_name)
+    return _loss_scaler("dynamic_loss_scale", inner, init_scale, adjust, True, axis_name)
 
 
 def fixed_loss_scale(
@@ -264,7 +271,8 @@ def fixed_loss_scale(
       :class:`LossScaleState`.
 
     Raises:
-      TypeError: if ``inner`` is not a GradientTransformation.
+      TypeError: if ``inner`` is not a GradientTransformation or
+        ``axis_name`` is not hashable.
       ValueError: if ``scale`` is not finite and positive, or
         ``skip_nonfinite`` is not a bool.
 
@@ -283,11 +291,12 @@ def fixed_loss_scale(
     _checks.is_transform("inner", inner)
     _checks.finite_positive("scale", scale)
     _checks.is_bool("skip_nonfinite", skip_nonfinite)
+    _checks.hashable("axis_name", axis_name)
 
     def adjust(scale, good_steps, finite):
         return scale, jnp.where(finite, optax.safe_increment(good_steps), 0)
 
-    return _loss_scaler(inner, scale, adjust, skip_nonfinite, axis_name)
+    return _loss_scaler("fixed_loss_scale", inner, scale, adjust, skip_nonfinite, axis_name)
 
 
 def _find_state(opt_state: optax.OptState, caller: str) -> LossScaleState:
@@ -340,6 +349,7 @@ def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
       ``loss * scale``.
 
     Raises:
+      TypeError: if ``loss`` is not a floating-point number or array.
       ValueError: if ``opt_state`` holds no loss-scale state, or several.
 
     Example:
@@ -348,5 +358,6 @@ def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
       >>> gradtools.scale_loss(jnp.float32(0.5), state)
       Array(16384., dtype=float32)
     """
+    _checks.floating("scale_loss", "loss", loss)
     loss = jnp.asarray(loss)
     return loss * _find_state(opt_state, "scale_loss").loss_scale.astype(loss.dtype)

@@ -145,6 +145,7 @@ def piecewise_constant(milestones: Sequence[int], values: Sequence[float]) -> op
       The schedule.
 
     Raises:
+      TypeError: if ``milestones`` or ``values`` is not a sequence.
       ValueError: if the lengths differ or are 0, a milestone is not an int
         > 0 or is smaller than the one before, or a value is negative or not finite.
 
@@ -156,6 +157,9 @@ def piecewise_constant(milestones: Sequence[int], values: Sequence[float]) -> op
     References:
       MindSpore ``nn.piecewise_constant_lr``.
     """
+    for name, seq in (("milestones", milestones), ("values", values)):
+        if isinstance(seq, (str, bytes)) or not np.iterable(seq):
+            raise TypeError(f"{name}={seq!r} must be a sequence (a list or a 1-D array)")
     milestones, values = list(milestones), list(values)
     if not milestones or len(milestones) != len(values):
         raise ValueError(
@@ -551,8 +555,8 @@ def from_list(values: Sequence[float]) -> optax.Schedule:
       The schedule.
 
     Raises:
-      ValueError: if ``values`` is empty or not 1-D, or a value is negative or
-        not finite.
+      ValueError: if ``values`` is empty, not 1-D or not numbers, or a value is
+        negative or not finite.
 
     Example:
       >>> s = gradtools.schedules.from_list([0.5, 0.25, 0.125])
@@ -562,7 +566,10 @@ def from_list(values: Sequence[float]) -> optax.Schedule:
     References:
       A list as ``learning_rate=`` of a MindSpore ``nn.Optimizer``.
     """
-    table = np.asarray(values, np.float64)
+    try:
+        table = np.asarray(values, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"values={values!r} must be a non-empty 1-D sequence of numbers") from None
     if table.ndim != 1 or table.size == 0:
         raise ValueError(f"values={values!r} must be a non-empty 1-D sequence")
     if not (np.isfinite(table).all() and (table >= 0).all()):
