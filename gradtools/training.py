@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,14 +28,41 @@ def train_step(
 
       loss = loss_fn(params, *args, **kwargs)
       grads = grad(scale_loss(loss, opt_state))   # unscaled if no loss scaler
-      updates, opt_state = tx.update(grads, opt_state, params)
+      updates, opt_state = tx.update(grads, opt_state, params, **update_kwargs)
       params = optax.apply_updates(params, updates)
 
     and returns ``(params, opt_state, metrics)``, where ``metrics`` holds the
     *unscaled* ``loss`` (plus ``aux`` with ``has_aux``) and everything
     :func:`gradtools.metrics` reads from the new ``opt_state``. The loss is
     scaled only when ``opt_state`` holds a loss-scale state. The step is a pure
-    function: ``jax.jit`` it, donating params and state.
+    function: ``jax.jit`` it, donating params and state
+    (``donate_argnums=(0, 1)``), so that the update happens in place.
+
+    Positional and keyword arguments go to ``loss_fn``, except the keyword-only
+    ``update_kwargs``: a dict of extra arguments for ``tx.update``, such as
+    :func:`gradtools.accumulate`'s ``flush`` and ``weight``. Pass its values as
+    arrays, so that a traced ``flush`` does not recompile the step::
+
+      step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
+      for i, batch in enumerate(batches):   # flush the partial window at the end
+          params, opt_state, m = step(params, opt_state, batch,
+                                      update_kwargs={'flush': jnp.array(i == last)})
+
+    With a ``flax.training.train_state.TrainState`` write the three lines
+    yourself; :meth:`TrainState.apply_gradients` runs ``tx.update`` and
+    ``optax.apply_updates`` as above::
+
+      def step(state, batch):
+          def scaled(p):   # drop scale_loss when tx has no loss scaler
+              return gradtools.scale_loss(loss_fn(p, batch), state.opt_state)
+          grads = jax.grad(scaled)(state.params)
+          state = state.apply_gradients(grads=grads)
+          return state, gradtools.metrics(state.opt_state)
+
+    ``state.step`` then counts calls, including skipped steps and
+    accumulation micro-steps; the optimizer's own count (and any schedule)
+    counts applied updates only. ``apply_gradients`` cannot pass
+    ``update_kwargs``: call ``state.tx.update`` directly to flush.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or
@@ -43,11 +71,13 @@ def train_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:
-      The step function.
+      ``step(params, opt_state, *args, update_kwargs=None, **kwargs) ->
+      (params, opt_state, metrics)``.
 
     Raises:
       TypeError: if ``loss_fn`` is not callable or ``tx`` is not a
         GradientTransformation.
+      ValueError: if ``has_aux`` is not a bool.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -65,8 +95,15 @@ def train_step(
     if not callable(loss_fn):
         raise TypeError(f"{loss_fn=} must be callable: loss_fn(params, *args) -> loss")
     _checks.is_transform("tx", tx)
+    _checks.is_bool("has_aux", has_aux)
 
-    def step(params, opt_state, *args, **kwargs):
+    def step(
+        params: Any,
+        opt_state: optax.OptState,
+        *args: Any,
+        update_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> tuple[Any, optax.OptState, dict[str, Any]]:
         scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
 
         def objective(p):
@@ -75,7 +112,7 @@ def train_step(
             return (scale_loss(loss, opt_state) if scaled else loss), (loss, aux)
 
         grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params, **(update_kwargs or {}))
         params = optax.apply_updates(params, updates)
         out = {"loss": loss, **metrics(opt_state)}
         if has_aux:

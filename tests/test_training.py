@@ -1,0 +1,190 @@
+"""Tests of gradtools.train_step against hand-computed steps."""
+
+import flax.training.train_state as train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradtools
+
+
+def _quadratic(params, x, y):
+    """Least squares: 0.5 * mean((x @ w + b - y)**2)."""
+    residual = x @ params["w"] + params["b"] - y
+    return 0.5 * jnp.mean(residual**2)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=(8,)).astype(np.float32)
+    return x, y
+
+
+def _numpy_sgd(params, x, y, lr, steps):
+    """The same least-squares steps, gradients by hand."""
+    w, b = np.array(params["w"], np.float64), float(params["b"])
+    losses = []
+    for _ in range(steps):
+        residual = x @ w + b - y
+        losses.append(0.5 * np.mean(residual**2))
+        w = w - lr * x.T @ residual / len(y)
+        b = b - lr * np.mean(residual)
+    return {"w": w, "b": b}, losses
+
+
+@pytest.mark.parametrize("scaler", [None, "fixed", "dynamic"])
+def test_steps_match_numpy_sgd(scaler):
+    x, y = _data()
+    tx = optax.sgd(0.1)
+    if scaler == "fixed":
+        tx = gradtools.fixed_loss_scale(tx, 2.0**10)
+    elif scaler == "dynamic":
+        tx = gradtools.dynamic_loss_scale(tx)
+    params = {"w": jnp.array([0.5, -0.25, 1.0]), "b": jnp.array(0.1)}
+    expected, losses = _numpy_sgd(params, x, y, 0.1, 3)
+    step = jax.jit(gradtools.train_step(_quadratic, tx), donate_argnums=(0, 1))
+    state = tx.init(params)
+    for loss in losses:
+        params, state, m = step(params, state, x, y)
+        np.testing.assert_allclose(m["loss"], loss, rtol=1e-5)  # unscaled
+    np.testing.assert_allclose(params["w"], expected["w"], rtol=1e-5)
+    np.testing.assert_allclose(params["b"], expected["b"], rtol=1e-5)
+    if scaler is None:
+        assert set(m) == {"loss"}
+    else:
+        assert set(m) == {"loss", "loss_scale", "skipped_steps", "finite"}
+        assert float(m["loss_scale"]) == (2.0**10 if scaler == "fixed" else 2.0**15)
+
+
+def test_scaling_rescues_fp16_gradients_that_underflow():
+    # d loss / dp = 2**-13 * 2**-13 = 2**-26, below fp16's smallest subnormal
+    # (2**-24): it is zero unless the loss is scaled first.
+    def loss_fn(p):
+        h = (p.astype(jnp.float16) * jnp.float16(2.0**-13)) * jnp.float16(2.0**-13)
+        return jnp.sum(h)
+
+    params = jnp.ones(2, jnp.float32)
+    plain = optax.sgd(1.0)
+    scaled = gradtools.fixed_loss_scale(optax.sgd(1.0), 2.0**15)
+    p_plain, _, _ = jax.jit(gradtools.train_step(loss_fn, plain))(params, plain.init(params))
+    p_scaled, _, _ = jax.jit(gradtools.train_step(loss_fn, scaled))(params, scaled.init(params))
+    np.testing.assert_array_equal(p_plain, params)
+    np.testing.assert_array_equal(p_scaled, params - 2.0**-26)
+
+
+def test_nonfinite_step_is_skipped_and_loss_reported():
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0)
+    step = jax.jit(gradtools.train_step(lambda p, c: jnp.sum(p * c), tx))
+    params = jnp.ones(2)
+    state = tx.init(params)
+    params, state, m = step(params, state, jnp.array([1.0, jnp.inf]))
+    np.testing.assert_array_equal(params, [1.0, 1.0])
+    assert float(m["loss"]) == np.inf
+    assert (int(m["skipped_steps"]), bool(m["finite"]), float(m["loss_scale"])) == (1, False, 2.0)
+    params, state, m = step(params, state, jnp.array([1.0, 2.0]))
+    np.testing.assert_allclose(params, [0.9, 0.8])
+    assert float(m["loss"]) == 3.0
+
+
+def test_args_kwargs_and_aux_reach_loss_fn():
+    def loss_fn(p, x, *, offset):
+        loss = jnp.sum((p - x - offset) ** 2)
+        return loss, {"residual": p - x - offset}
+
+    tx = optax.sgd(0.25)
+    step = jax.jit(gradtools.train_step(loss_fn, tx, has_aux=True))
+    params = jnp.array([3.0, 4.0])
+    params, _, m = step(params, tx.init(params), jnp.array([1.0, 1.0]), offset=1.0)
+    # residual r = p - 2 = (1, 2); grad = 2r; p - 0.25 * 2r = p - r / 2
+    np.testing.assert_allclose(m["aux"]["residual"], [1.0, 2.0])
+    np.testing.assert_allclose(m["loss"], 5.0)
+    np.testing.assert_allclose(params, [2.5, 3.0])
+
+
+def _scale_by_factor() -> optax.GradientTransformationExtraArgs:
+    """Multiplies updates by an extra ``factor`` argument (a stand-in for flush=)."""
+
+    def update(updates, state, params=None, *, factor=1.0):
+        del params
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
+
+
+def test_update_kwargs_reach_tx_without_retracing():
+    traces = []
+
+    def loss_fn(p):
+        traces.append(None)
+        return jnp.sum(p)
+
+    tx = optax.chain(_scale_by_factor(), optax.sgd(1.0))
+    step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for factor in (1.0, 3.0, 0.5):  # an array argument: traced, one compilation
+        params, state, _ = step(params, state, update_kwargs={"factor": np.float32(factor)})
+    np.testing.assert_array_equal(params, [-4.5, -4.5])
+    assert len(traces) == 1
+
+
+def test_update_kwargs_for_plain_transform_is_an_error():
+    def loss_fn(p):
+        return jnp.sum(p)
+
+    tx = optax.scale(-1.0)  # a plain GradientTransformation: no extra arguments
+    step = gradtools.train_step(loss_fn, tx)
+    with pytest.raises(TypeError, match="flush"):
+        step(jnp.zeros(2), tx.init(jnp.zeros(2)), update_kwargs={"flush": True})
+
+
+def test_donated_buffers_are_reused():
+    tx = gradtools.dynamic_loss_scale(optax.adam(1e-3))
+    step = jax.jit(gradtools.train_step(lambda p: jnp.sum(p["w"] ** 2), tx), donate_argnums=(0, 1))
+    params = {"w": jnp.ones((4, 4))}
+    state = tx.init(params)
+    old_w, old_mu = params["w"], state.inner_state[0].mu["w"]
+    params, state, _ = step(params, state)  # pytest turns a "not usable" warning into an error
+    assert old_w.is_deleted() and old_mu.is_deleted()
+
+
+def test_flax_train_state_recipe_matches_train_step():
+    """The TrainState recipe in the docstring gives the same params and metrics."""
+    x, y = _data()
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))
+    params = {"w": jnp.array([0.5, -0.25, 1.0]), "b": jnp.array(0.1)}
+
+    @jax.jit
+    def ts_step(state, x, y):
+        def scaled(p):
+            return gradtools.scale_loss(_quadratic(p, x, y), state.opt_state)
+
+        grads = jax.grad(scaled)(state.params)
+        state = state.apply_gradients(grads=grads)
+        return state, gradtools.metrics(state.opt_state)
+
+    ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    step = jax.jit(gradtools.train_step(_quadratic, tx))
+    state = tx.init(params)
+    bad_x = x.copy()
+    bad_x[0, 0] = np.inf  # the second step is not finite and is skipped
+    for batch in (x, bad_x, x, x):
+        ts, ts_metrics = ts_step(ts, batch, y)
+        params, state, metrics = step(params, state, batch, y)
+        for key in ts_metrics:
+            np.testing.assert_array_equal(ts_metrics[key], metrics[key])
+    jax.tree.map(np.testing.assert_array_equal, ts.params, params)
+    assert int(metrics["skipped_steps"]) == 1
+    assert int(ts.step) == 4  # TrainState counts calls, skipped ones included
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="loss_fn"):
+        gradtools.train_step("loss", optax.sgd(0.1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tx"):
+        gradtools.train_step(_quadratic, lambda g: g)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="has_aux"):
+        gradtools.train_step(_quadratic, optax.sgd(0.1), has_aux=1)  # type: ignore[arg-type]
