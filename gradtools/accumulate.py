@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -97,19 +96,18 @@ def _emit_or_hold(
     the selection into the caller's ``apply_updates``. Returning the updates
     as a branch output instead makes them a parameter-sized temporary, which
     a micro-step must fill with zeros and which XLA:CPU maps (and faults in)
-    afresh on every call. Leaves the buffer cannot hold exactly (another
-    shape, or a dtype wider than the buffer's) still leave the branch as
-    outputs of their own.
+    afresh on every call. Updates of another shape or dtype than the buffer
+    (bf16 params with a float32 buffer, say) still leave the branch as outputs
+    of their own: a cast in and out of the buffer would be exact, but XLA may
+    skip the rounding in between, which would make the stale buffer differ
+    between jitted and op-by-op runs.
     """
     shapes = jax.eval_shape(emit, acc)[0]
     acc_leaves, acc_def = jax.tree.flatten(acc)
     u_leaves, u_def = jax.tree.flatten(shapes)
     stash = [False] * len(u_leaves)
     if u_def == acc_def:
-        stash = [
-            u.shape == a.shape and np.can_cast(u.dtype, dtype, casting="safe")
-            for u, a in zip(u_leaves, acc_leaves)
-        ]
+        stash = [u.shape == a.shape and u.dtype == dtype for u, a in zip(u_leaves, acc_leaves)]
     own = [u for u, ok in zip(u_leaves, stash) if not ok]
 
     def emit_branch(acc):

@@ -97,9 +97,15 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(jnp.sum(x - x))
 
 
-def _unscale(updates: Any, factors: list[jax.Array], params: Any) -> Any:
-    """``updates * factor`` in float32, cast to each param's dtype (float32 without params)."""
+def _unscale(updates: Any, inv_scale: jax.Array, params: Any) -> Any:
+    """``updates * inv_scale`` in float32, cast to each param's dtype (float32 without params).
+
+    Each leaf gets its own copy of the scalar (:func:`_tree.distinct_scalars`), made
+    where it is used, so that a ``lax.cond`` branch receives one scalar, not one per
+    leaf (XLA:CPU's compile time grows with the square of a conditional's operands).
+    """
     leaves, treedef = jax.tree.flatten(updates)
+    factors = _tree.distinct_scalars(inv_scale, leaves)
     if params is None:
         out = [g.astype(jnp.float32) * f for g, f in zip(leaves, factors)]
     else:
@@ -139,13 +145,13 @@ def _loss_scaler(
         # finiteness reduction and inside inner's own fusions (one scalar per leaf,
         # see _tree.distinct_scalars). Storing them costs a parameter-sized write
         # and read, and on XLA:CPU a temporary buffer faulted in on every step.
-        factors = _tree.distinct_scalars(1.0 / state.loss_scale, jax.tree.leaves(updates))
-        finite = all_finite(_unscale(updates, factors, params))
+        inv_scale = 1.0 / state.loss_scale
+        finite = all_finite(_unscale(updates, inv_scale, params))
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
         def apply(_):
-            grads = _unscale(updates, factors, params)
+            grads = _unscale(updates, inv_scale, params)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         if skip_nonfinite:

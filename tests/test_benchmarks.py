@@ -3,7 +3,6 @@
 Structure only: no assertion here depends on a timing.
 """
 
-import importlib.util
 import json
 import math
 
@@ -30,7 +29,7 @@ TINY = cli.Config(
     lenet_batch=2,
     lenet_reps=1,
     quick=True,
-    match=r"^gradtools\.(accumulate|dynamic_loss_scale)|^jmp",
+    match=r"^gradtools\.(accumulate|dynamic_loss_scale)|^jmp|fp32 \(adam\)|eager fp32",
 )
 
 UPDATE_KEYS = {
@@ -94,11 +93,15 @@ def test_memory_rows_count_state_bytes(results):
 
 
 def test_lenet_rows_or_a_note(results):
-    for r in results["lenet"]:
+    rows = {r["variant"]: r for r in results["lenet"]}
+    assert "gradtools fp32 (adam)" in rows
+    for r in rows.values():
         assert r["batch"] == 2 and r["images_per_s"] > 0
-    demo_missing = importlib.util.find_spec("gradtools.demo") is None
-    if demo_missing:  # the skipped rows must be explained
-        assert any("gradtools.demo" in n for n in results["notes"])
+    torch_rows = [r for v, r in rows.items() if v.startswith("PyTorch")]
+    if torch_rows:
+        assert all(r["baseline"] == torch_rows[0]["variant"] for r in rows.values())
+    else:
+        assert any("PyTorch is not installed" in n for n in results["notes"])
 
 
 def test_report_renders_every_section_and_checks_targets(results):
