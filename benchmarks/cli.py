@@ -19,10 +19,17 @@ from typing import Any
 
 from benchmarks import report
 
-__all__ = ["Config", "main", "parse_count", "run"]
+__all__ = ["Config", "main", "parse_configs", "parse_count", "run"]
 
 SECTIONS = ("update", "compile", "memory", "lenet")
 RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+#: The cases the compile section measures by default: the ones its targets name.
+COMPILE_CASES = (
+    r"^(optax\.adam|optax\.apply_if_finite|gradtools\.dynamic_loss_scale|jmp\.|flax |"
+    r"optax\.MultiSteps|gradtools\.accumulate)"
+)
 
 
 @dataclass(frozen=True)
@@ -32,12 +39,15 @@ class Config:
     sections: tuple[str, ...] = SECTIONS
     sizes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20)
     leaves: tuple[int, ...] = (8, 1000)
+    #: (params, leaves, groups or None) for the update section; None: sizes x leaves.
+    configs: tuple[tuple[int, int, tuple[str, ...] | None], ...] | None = None
     groups: tuple[str, ...] | None = None
     match: str | None = None
     reps: int = 7
     sample_s: float = 0.05
     compile_leaves: tuple[int, ...] = (8, 100, 200, 1000)
     compile_reps: int = 1
+    compile_match: str | None = COMPILE_CASES
     compile_params: int = 1 << 20
     select_max_leaves: int = 200
     compile_budget_s: float = 300.0
@@ -97,9 +107,11 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
     if "update" in config.sections:
         from benchmarks.update import run_update
 
+        configs = config.configs or tuple(
+            (n, leaves, None) for n in config.sizes for leaves in config.leaves
+        )
         results["update"], notes = run_update(
-            config.sizes,
-            config.leaves,
+            configs,
             config.reps,
             groups=config.groups,
             match=config.match,
@@ -115,7 +127,7 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
             config.compile_leaves,
             config.compile_reps,
             n_params=config.compile_params,
-            match=config.match,
+            match=_both(config.match, config.compile_match),
             select_max_leaves=config.select_max_leaves,
             budget_s=config.compile_budget_s,
             log=log,
@@ -153,6 +165,25 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
     return results
 
 
+def _both(a: str | None, b: str | None) -> str | None:
+    """A regex matching what both match (either may be None: no condition)."""
+    if a and b:
+        return f"(?=.*(?:{a}))(?=.*(?:{b}))"
+    return a or b
+
+
+def parse_configs(text: str) -> tuple[tuple[int, int, tuple[str, ...] | None], ...]:
+    """'64M:8,64M:1000:loss_scale+accumulate' -> ((67108864, 8, None), (..., 1000, (...)))."""
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"--configs item {item!r}: expected SIZE:LEAVES[:GROUP+GROUP]")
+        groups = tuple(parts[2].split("+")) if len(parts) == 3 else None
+        out.append((parse_count(parts[0]), parse_count(parts[1]), groups))
+    return tuple(out)
+
+
 def _counts(text: str) -> tuple[int, ...]:
     return tuple(parse_count(t) for t in text.split(",") if t.strip())
 
@@ -164,6 +195,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--sizes", help="param counts for the update section, e.g. 1M,16M,64M")
     p.add_argument("--leaves", help="leaf counts for the update section, e.g. 8,1000")
+    p.add_argument(
+        "--configs",
+        help="update configs instead of sizes x leaves, e.g. 16M:8,64M:1000:loss_scale+accumulate",
+    )
+    p.add_argument(
+        "--compile-match",
+        help="regex of the cases the compile section measures ('.' for all; default: those "
+        "its targets name)",
+    )
     p.add_argument("--groups", help="update groups: clip,loss_scale,accumulate (default all)")
     p.add_argument("--match", help="only the cases whose name matches this regex (and the triad)")
     p.add_argument("--reps", type=int, help="interleaved rounds per group")
@@ -197,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["leaves"] = _counts(args.leaves)
     if args.groups:
         changes["groups"] = tuple(g.strip() for g in args.groups.split(","))
+    if args.configs:
+        changes["configs"] = parse_configs(args.configs)
+    if args.compile_match:
+        changes["compile_match"] = args.compile_match
     if args.match:
         changes["match"] = args.match
     if args.reps:

@@ -61,9 +61,12 @@ def _groups(cases: Sequence[Case]) -> list[str]:
     return seen
 
 
+#: One update configuration: params, leaves, and the groups to time (None: all).
+Config = tuple[int, int, Sequence[str] | None]
+
+
 def run_update(
-    sizes: Sequence[int],
-    leaves: Sequence[int],
+    configs: Sequence[Config],
     reps: int,
     *,
     groups: Sequence[str] | None = None,
@@ -72,79 +75,80 @@ def run_update(
     sample_s: float = 0.05,
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Times every case; returns one row per (size, leaves, group, case) and notes."""
+    """Times every case; returns one row per (size, leaves, group, case) and notes.
+
+    ``configs`` lists ``(params, leaves, groups)``; a config's own groups (when
+    not None) narrow ``groups``.
+    """
     cases = update_cases()
     triad = cases[0]
     if match:
         cases = [triad] + [c for c in cases[1:] if re.search(match, c.name)]
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
-    for n_params in sizes:
-        for n_leaves in leaves:
-            shapes = param_shapes(n_params, n_leaves)
-            grads = random_tree(shapes, seed=0)
-            for group in groups or _groups(cases):
-                members = [triad]
-                for c in cases:
-                    if group not in c.groups:
-                        continue
-                    if c.select_tree and n_leaves > select_max_leaves:
-                        note = (
-                            f"{c.name}: not timed at {n_leaves} leaves (its compile time grows "
-                            f"quadratically; see the compile-time table)"
-                        )
-                        if note not in notes:
-                            notes.append(note)
-                        continue
-                    members.append(c)
-                if len(members) == 1:
+    for n_params, n_leaves, only in configs:
+        shapes = param_shapes(n_params, n_leaves)
+        grads = random_tree(shapes, seed=0)
+        for group in groups or _groups(cases):
+            if only is not None and group not in only:
+                continue
+            members = [triad]
+            for c in cases:
+                if group not in c.groups:
                     continue
-                log(f"update {n_params:,} params x {n_leaves} leaves, {group}: compiling")
-                runners = {
-                    c.name: _Runner(c, shapes, grads, seed=i + 1) for i, c in enumerate(members)
-                }
-                calls = {k: _timing.calibrate(r, sample_s) for k, r in runners.items()}
-                log(f"  timing {reps} interleaved rounds of {len(members)} cases")
-                stats = _timing.interleave(runners, reps, calls)
-                t_triad = stats[triad.name]
-                for c in members:
-                    s, r = stats[c.name], runners[c.name]
-                    copies, copy_bytes = _xla.hlo_copies(
-                        r.compiled.executable, n_params // n_leaves
+                if c.select_tree and n_leaves > select_max_leaves:
+                    note = (
+                        f"{c.name}: not timed at {n_leaves} leaves (its compile time grows "
+                        f"quadratically; see the compile-time table)"
                     )
-                    x_bound = _timing.ratio(s, t_triad) * triad.words / c.words
-                    base = stats.get(c.baseline) if c.baseline else None
-                    rows.append(
-                        {
-                            "params": n_params,
-                            "leaves": n_leaves,
-                            "group": group,
-                            "case": c.name,
-                            **s.as_dict(),
-                            "samples_s": list(s.samples),
-                            "reps": reps,
-                            "calls_per_sample": calls[c.name],
-                            "words": c.words,
-                            "traffic": c.traffic,
-                            "bound_s": c.words / triad.words * t_triad.median,
-                            "x_bound": x_bound,
-                            "baseline": c.baseline if base else None,
-                            "x_baseline": _timing.ratio(s, base) if base else None,
-                            "bandwidth_gbs": 4 * triad.words * n_params / t_triad.median / 1e9,
-                            "xla_words": r.compiled.bytes_accessed() / (4 * n_params),
-                            "temp_bytes": r.compiled.temp_bytes(),
-                            "page_faults": r.page_faults(),
-                            "copies": copies,
-                            "copy_words": copy_bytes / (4 * n_params),
-                            "compile_s": r.compiled.total_s,
-                        }
-                    )
-                    log(
-                        f"  {c.name:58s} {s.median * 1e3:9.2f} ms "
-                        f"[{s.min * 1e3:.2f}-{s.max * 1e3:.2f}]  x bound {x_bound:5.2f}"
-                    )
-                del runners
-                gc.collect()
-            del grads
+                    if note not in notes:
+                        notes.append(note)
+                    continue
+                members.append(c)
+            if len(members) == 1:
+                continue
+            log(f"update {n_params:,} params x {n_leaves} leaves, {group}: compiling")
+            runners = {c.name: _Runner(c, shapes, grads, seed=i + 1) for i, c in enumerate(members)}
+            calls = {k: _timing.calibrate(r, sample_s) for k, r in runners.items()}
+            log(f"  timing {reps} interleaved rounds of {len(members)} cases")
+            stats = _timing.interleave(runners, reps, calls)
+            t_triad = stats[triad.name]
+            for c in members:
+                s, r = stats[c.name], runners[c.name]
+                copies, copy_bytes = _xla.hlo_copies(r.compiled.executable, n_params // n_leaves)
+                x_bound = _timing.ratio(s, t_triad) * triad.words / c.words
+                base = stats.get(c.baseline) if c.baseline else None
+                rows.append(
+                    {
+                        "params": n_params,
+                        "leaves": n_leaves,
+                        "group": group,
+                        "case": c.name,
+                        **s.as_dict(),
+                        "samples_s": list(s.samples),
+                        "reps": reps,
+                        "calls_per_sample": calls[c.name],
+                        "words": c.words,
+                        "traffic": c.traffic,
+                        "bound_s": c.words / triad.words * t_triad.median,
+                        "x_bound": x_bound,
+                        "baseline": c.baseline if base else None,
+                        "x_baseline": _timing.ratio(s, base) if base else None,
+                        "bandwidth_gbs": 4 * triad.words * n_params / t_triad.median / 1e9,
+                        "xla_words": r.compiled.bytes_accessed() / (4 * n_params),
+                        "temp_bytes": r.compiled.temp_bytes(),
+                        "page_faults": r.page_faults(),
+                        "copies": copies,
+                        "copy_words": copy_bytes / (4 * n_params),
+                        "compile_s": r.compiled.total_s,
+                    }
+                )
+                log(
+                    f"  {c.name:58s} {s.median * 1e3:9.2f} ms "
+                    f"[{s.min * 1e3:.2f}-{s.max * 1e3:.2f}]  x bound {x_bound:5.2f}"
+                )
+            del runners
             gc.collect()
+        del grads
+        gc.collect()
     return rows, notes

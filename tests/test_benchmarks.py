@@ -140,3 +140,10 @@ def test_cases_and_shapes():
 @pytest.mark.parametrize("text,count", [("64M", 64 << 20), ("16K", 16 << 10), ("1000", 1000)])
 def test_parse_count(text, count):
     assert cli.parse_count(text) == count
+
+
+def test_parse_configs():
+    got = cli.parse_configs("1M:8, 64M:1000:loss_scale+accumulate")
+    assert got == ((1 << 20, 8, None), (64 << 20, 1000, ("loss_scale", "accumulate")))
+    with pytest.raises(ValueError, match="SIZE:LEAVES"):
+        cli.parse_configs("64M")
