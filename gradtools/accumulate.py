@@ -189,8 +189,10 @@ def accumulate(
     count towards ``every_k`` and is counted in ``dropped_micro_steps``.
 
     **every_k=1** is exactly ``inner`` (bit for bit): no buffer is kept and the
-    gradients go to ``inner`` untouched; only a weight that is not > 0 or (with
-    ``"skip_microstep"``) non-finite gradients skip the step, as above. The
+    gradients go to ``inner`` untouched (with ``average=False`` and a
+    ``weight``, multiplied by it: the weighted sum of one micro-batch); only a
+    weight that is not > 0 or (with ``"skip_microstep"``) non-finite gradients
+    skip the step, as above. The
     state is still an :class:`AccumulateState`, so ``metrics()`` reads it alike.
 
     Args:
@@ -274,6 +276,8 @@ def accumulate(
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         if every_k == 1:
+            if w is not None and not average:  # the weighted sum of one micro-batch
+                updates = _tree.scale_f32(updates, w, updates)
             if take is None:
                 new_updates, inner_state = apply(updates)
             else:

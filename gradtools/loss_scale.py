@@ -1,6 +1,6 @@
 """Loss scaling for fp16 and bf16 training, as wrappers around an optimizer.
 
-Small gradients underflow in float16 (anything below 2**-24 becomes zero).
+Small gradients underflow in float16 (anything at or below 2**-25 becomes zero).
 Multiplying the loss by a scale ``S`` multiplies every gradient by ``S`` and
 lifts them into range; the wrapper divides by ``S`` again before the optimizer
 sees them. When the scaled gradients overflow (inf or NaN), the step is skipped:

@@ -76,7 +76,8 @@ def train_step(
 
     Raises:
       TypeError: if ``loss_fn`` is not callable or ``tx`` is not a
-        GradientTransformation.
+        GradientTransformation; when ``step`` is called, if ``update_kwargs``
+        is not a dict.
       ValueError: if ``has_aux`` is not a bool.
 
     Example:
@@ -104,6 +105,8 @@ def train_step(
         update_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> tuple[Any, optax.OptState, dict[str, Any]]:
+        if update_kwargs is not None and not isinstance(update_kwargs, Mapping):
+            raise TypeError(f"{update_kwargs=} must be a dict of tx.update's extra arguments")
         scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
 
         def objective(p):

@@ -95,6 +95,7 @@ V, T = ValueError, TypeError
 SGD = optax.sgd(0.1)
 NAN, INF = float("nan"), float("inf")
 SGD_STATE = SGD.init(PARAMS)
+SGD_ARGS = (jnp.ones(2), SGD.init(jnp.ones(2)))
 SCALED_STATE = G.dynamic_loss_scale(SGD).init(PARAMS)
 
 
@@ -135,6 +136,11 @@ BAD = {
         (T, "loss_fn='loss'", lambda: G.train_step("loss", SGD)),
         (T, "tx=", lambda: G.train_step(jnp.sum, optax.adam)),
         (V, "has_aux=1", lambda: G.train_step(jnp.sum, SGD, has_aux=1)),
+        (
+            T,
+            "update_kwargs='flush'",
+            lambda: G.train_step(jnp.sum, SGD)(*SGD_ARGS, update_kwargs="flush"),
+        ),
     ],
     "label_params": [
         (T, "rules='a'", lambda: G.label_params(PARAMS, "a")),

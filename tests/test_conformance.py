@@ -90,30 +90,31 @@ LEAVES = {
 STEPS = 3
 
 
-def make_tree(seed, *, dtype=None, extras=True, scale=1.0):
-    """The standard tree: random leaves, plus ``None`` and empty subtrees with ``extras``."""
-    rng = np.random.default_rng(seed)
-    tree = {"dense": {}} if not extras else {"dense": {"none": None}, "empty": {}, "seq": []}
-    for path, (shape, leaf_dtype, _) in LEAVES.items():
-        value = jnp.asarray(scale * rng.standard_normal(shape), dtype or leaf_dtype)
+def standard_tree(leaf, *, extras=True):
+    """The standard tree with ``leaf(shape, dtype, spec)`` at each leaf, plus ``None``
+    and empty subtrees with ``extras``."""
+    tree = {"dense": {"none": None}, "empty": {}, "seq": []} if extras else {"dense": {}}
+    for path, (shape, dtype, spec) in LEAVES.items():
         node = tree
         for key in path[:-1]:
             node = node[key]
-        node[path[-1]] = value
+        node[path[-1]] = leaf(shape, dtype, spec)
     return tree
+
+
+def make_tree(seed, *, dtype=None, extras=True, scale=1.0):
+    """Random values for the standard tree; ``dtype`` overrides every leaf's."""
+    rng = np.random.default_rng(seed)
+    return standard_tree(
+        lambda shape, leaf_dtype, _: jnp.asarray(
+            scale * rng.standard_normal(shape), dtype or leaf_dtype
+        ),
+        extras=extras,
+    )
 
 
 def params_and_grads(**kw):
     return make_tree(0, **kw), [make_tree(seed, scale=2.0, **kw) for seed in range(1, STEPS + 1)]
-
-
-def layouts(mesh):
-    tree = {"dense": {"none": None}, "empty": {}, "seq": []}
-    tree["dense"]["kernel"] = NamedSharding(mesh, LEAVES[("dense", "kernel")][2])
-    tree["dense"]["bias"] = NamedSharding(mesh, LEAVES[("dense", "bias")][2])
-    tree["emb"] = NamedSharding(mesh, LEAVES[("emb",)][2])
-    tree["head"] = NamedSharding(mesh, LEAVES[("head",)][2])
-    return tree
 
 
 @functools.cache
@@ -162,6 +163,15 @@ def dtypes(tree):
     return jax.tree.map(lambda x: jnp.asarray(x).dtype, tree)
 
 
+def _without_stale_buffers(tree):
+    def drop(s):
+        if isinstance(s, gradtools.AccumulateState) and not np.any(np.asarray(s.micro_step)):
+            return s._replace(acc_grads=None)
+        return s
+
+    return jax.tree.map(drop, tree, is_leaf=lambda x: isinstance(x, gradtools.AccumulateState))
+
+
 def assert_same(actual, expected, *, exact=True):
     """Same structure, same dtypes, same values (bit for bit unless ``exact=False``)."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
@@ -170,6 +180,9 @@ def assert_same(actual, expected, *, exact=True):
         chex.assert_trees_all_equal(actual, expected, strict=True)
         return
     # Fused and unfused code may round differently: allow a few ulps of each dtype.
+    # A closed window's buffer is stale and never read (AccumulateState's docs),
+    # so only exact comparisons look at it.
+    actual, expected = _without_stale_buffers(actual), _without_stale_buffers(expected)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
         a, b = np.asarray(a), np.asarray(b)
         if not np.issubdtype(a.dtype, np.inexact):
@@ -340,7 +353,7 @@ def test_state_round_trips_through_orbax(row_id, tmp_path):
 @pytest.mark.parametrize("row_id", IDS)
 def test_sharded_params_keep_their_layout_and_values(row_id):
     mesh = jax.make_mesh((2, 2), ("a", "b"))
-    shardings = layouts(mesh)
+    shardings = standard_tree(lambda shape, dtype, spec: NamedSharding(mesh, spec))
     params, grads = params_and_grads()
     params = jax.device_put(params, shardings)
     grads = [jax.device_put(g, shardings) for g in grads]
