@@ -23,6 +23,7 @@ from gradtools.loss_scale import fixed_loss_scale
 from gradtools.loss_scale import loss_scale
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
+from gradtools.training import apply_gradients
 from gradtools.training import train_step
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "all_finite",
+    "apply_gradients",
     "clip_by_global_norm",
     "decay_mask",
     "describe",

@@ -18,6 +18,7 @@ The training loop needs two calls::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -139,7 +140,11 @@ def _loss_scaler(
             inner_state=inner.init(params),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def step(updates, state, params, extra_args, apply):
+        """``update`` (``apply=False``), or ``update`` and ``apply_updates`` in one.
+
+        Returns the updates (or, with ``apply``, the new params) and the new state.
+        """
         _tree.check_like(caller, updates, params)
         # The unscaled gradients are never stored: they are recomputed inside the
         # finiteness reduction and inside inner's own fusions (one scalar per leaf,
@@ -150,19 +155,24 @@ def _loss_scaler(
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
-        def apply(_):
+        def run(_):
             grads = _unscale(updates, inv_scale, params)
-            return inner.update(grads, state.inner_state, params, **extra_args)
+            new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+            if apply:  # the updates never leave the branch: no buffer for them
+                return optax.apply_updates(params, new_updates), inner_state
+            return new_updates, inner_state
 
         if skip_nonfinite:
 
             def skip(_):
-                new_updates = jax.eval_shape(apply, None)[0]
+                if apply:
+                    return params, state.inner_state
+                new_updates = jax.eval_shape(run, None)[0]
                 return _tree.zeros_like_shapes(new_updates), state.inner_state
 
-            new_updates, inner_state = lax.cond(finite, apply, skip, None)
+            out, inner_state = lax.cond(finite, run, skip, None)
         else:
-            new_updates, inner_state = apply(None)
+            out, inner_state = run(None)
 
         scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
         skipped = jnp.where(finite, state.skipped_steps, optax.safe_increment(state.skipped_steps))
@@ -173,9 +183,31 @@ def _loss_scaler(
             finite=finite,
             inner_state=inner_state,
         )
-        return new_updates, new_state
+        return out, new_state
 
+    def update_fn(updates, state, params=None, **extra_args):
+        return step(updates, state, params, extra_args, apply=False)
+
+    def apply_fn(grads, state, params, **extra_args):
+        return step(grads, state, params, extra_args, apply=True)
+
+    _APPLY[update_fn] = apply_fn
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+#: ``tx.update`` of each loss scaler -> its update-and-apply function.
+_APPLY: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
+_APPLY = weakref.WeakKeyDictionary()
+
+
+def _fused_apply(tx: optax.GradientTransformation) -> Callable[..., Any] | None:
+    """``apply(grads, state, params, **extra_args) -> (params, state)`` for a loss scaler.
+
+    It does what ``tx.update`` and ``optax.apply_updates`` do together, with
+    the apply inside the finite branch. ``None`` when ``tx`` is not a loss
+    scaler. Used by :func:`gradtools.apply_gradients`.
+    """
+    return _APPLY.get(tx.update)
 
 
 def dynamic_loss_scale(

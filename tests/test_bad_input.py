@@ -132,6 +132,10 @@ BAD = {
         (T, r"tree\['a'\]='x'", lambda: G.all_finite({"a": "x"})),
         (T, r"tree\[1\]=<object", lambda: G.all_finite([1.0, object()])),
     ],
+    "apply_gradients": [
+        (T, "tx=", lambda: G.apply_gradients(optax.adam, PARAMS, (), PARAMS)),
+        (V, "params=None", lambda: G.apply_gradients(SGD, PARAMS, SGD.init(PARAMS), None)),
+    ],
     "train_step": [
         (T, "loss_fn='loss'", lambda: G.train_step("loss", SGD)),
         (T, "tx=", lambda: G.train_step(jnp.sum, optax.adam)),

@@ -35,6 +35,19 @@ def _numpy_sgd(params, x, y, lr, steps):
     return {"w": w, "b": b}, losses
 
 
+def _assert_close(actual, desired):
+    """Equal up to 2 ulps of the dtype (XLA may fuse a multiply-add differently), NaN == NaN."""
+    actual, desired = np.asarray(actual), np.asarray(desired)
+    assert actual.dtype == desired.dtype
+    if not jnp.issubdtype(actual.dtype, jnp.floating):
+        np.testing.assert_array_equal(actual, desired)
+        return
+    eps = float(jnp.finfo(actual.dtype).eps)
+    np.testing.assert_allclose(
+        actual.astype(np.float64), desired.astype(np.float64), rtol=2 * eps, atol=0, equal_nan=True
+    )
+
+
 @pytest.mark.parametrize("scaler", [None, "fixed", "dynamic"])
 def test_steps_match_numpy_sgd(scaler):
     x, y = _data()
@@ -175,8 +188,8 @@ def test_flax_train_state_recipe_matches_train_step():
         ts, ts_metrics = ts_step(ts, batch, y)
         params, state, metrics = step(params, state, batch, y)
         for key in ts_metrics:
-            np.testing.assert_array_equal(ts_metrics[key], metrics[key])
-    jax.tree.map(np.testing.assert_array_equal, ts.params, params)
+            _assert_close(ts_metrics[key], metrics[key])
+    jax.tree.map(_assert_close, ts.params, params)
     assert int(metrics["skipped_steps"]) == 1
     assert int(ts.step) == 4  # TrainState counts calls, skipped ones included
 
@@ -188,3 +201,130 @@ def test_bad_arguments():
         gradtools.train_step(_quadratic, lambda g: g)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has_aux"):
         gradtools.train_step(_quadratic, optax.sgd(0.1), has_aux=1)  # type: ignore[arg-type]
+
+
+# apply_gradients: update and apply in one call ------------------------------
+
+
+def _mixed_params(mixed=True):
+    return {
+        "w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2),
+        "b": jnp.array([0.5, -0.5], jnp.bfloat16 if mixed else jnp.float32),
+        "h": jnp.array([1.0, 2.0, -3.0, 0.25], jnp.float16 if mixed else jnp.float32),
+    }
+
+
+def _grad_sequence(params, scale):
+    """Six scaled gradient trees; the third overflows in 'w', the fifth is NaN in 'h'."""
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(6):
+        g = {k: np.asarray(rng.normal(size=v.shape) * scale, np.float32) for k, v in params.items()}
+        if i == 2:
+            g["w"][1, 0] = np.inf
+        if i == 4:
+            g["h"][2] = np.nan
+        out.append({k: jnp.asarray(g[k], v.dtype) for k, v in params.items()})
+    return out
+
+
+_TRANSFORMS = {
+    "dynamic(clip+adam)": lambda: gradtools.dynamic_loss_scale(
+        optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(1e-2)), init_scale=64.0
+    ),
+    "fixed(sgd momentum)": lambda: gradtools.fixed_loss_scale(optax.sgd(0.1, 0.9), 64.0),
+    "fixed(sgd), no skip": lambda: gradtools.fixed_loss_scale(
+        optax.sgd(0.1), 64.0, skip_nonfinite=False
+    ),
+    "dynamic(accumulate(adam, 2))": lambda: gradtools.dynamic_loss_scale(
+        gradtools.accumulate(optax.adam(1e-2), 2), init_scale=64.0
+    ),
+    "dynamic(inject_hyperparams(adam))": lambda: gradtools.dynamic_loss_scale(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), init_scale=64.0
+    ),
+    "adam, no scaler": lambda: optax.adam(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(_TRANSFORMS))
+def test_apply_gradients_equals_update_then_apply_updates(name):
+    """Every step: params (NaN included where nothing skips it) and state.
+
+    Skipped steps return the params bit for bit; applied steps agree to 2 ulps.
+    """
+    tx = _TRANSFORMS[name]()
+    scaled = name != "adam, no scaler"
+    skips = scaled and name != "fixed(sgd), no skip"
+
+    @jax.jit
+    def by_hand(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    fused = jax.jit(lambda p, s, g: gradtools.apply_gradients(tx, g, s, p))
+    params = _mixed_params(mixed="inject" not in name)  # optax cannot mix bf16 and fp16 there
+    state = tx.init(params)
+    ref_params, ref_state = params, state
+    for i, grads in enumerate(_grad_sequence(params, 64.0 if scaled else 1.0)):
+        before = params
+        params, state = fused(params, state, grads)
+        ref_params, ref_state = by_hand(ref_params, ref_state, grads)
+        jax.tree.map(_assert_close, params, ref_params)
+        jax.tree.map(_assert_close, state, ref_state)
+        if skips and i in (2, 4):  # the skipped step returns the params untouched
+            jax.tree.map(np.testing.assert_array_equal, params, before)
+    if scaled:
+        assert int(gradtools.metrics(state)["skipped_steps"]) == 2
+    finite = all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(params))
+    assert finite == skips  # without a skip, the NaN reaches the params, as asked
+
+
+def _adds_outside_cond(fn, *args):
+    """Top-level ``add``s of parameter-sized arrays in ``fn``'s jaxpr (outside any cond)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [e for e in jaxpr.eqns if e.primitive.name == "add" and e.outvars[0].aval.size > 1]
+
+
+def test_apply_gradients_applies_inside_the_loss_scalers_branch():
+    """The updates never leave the cond: the params are added to inside it."""
+    tx = gradtools.dynamic_loss_scale(optax.adam(1e-3))
+    params = {"w": jnp.ones(1000), "v": jnp.ones((10, 10))}
+    state, grads = tx.init(params), jax.tree.map(jnp.ones_like, params)
+
+    def by_hand(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    assert len(_adds_outside_cond(by_hand, params, state, grads)) == 2  # the check can fail
+    assert (
+        _adds_outside_cond(
+            lambda p, s, g: gradtools.apply_gradients(tx, g, s, p), params, state, grads
+        )
+        == []
+    )
+    step = gradtools.train_step(lambda p: sum(jnp.sum(x**2) for x in jax.tree.leaves(p)), tx)
+    assert [
+        e for e in _adds_outside_cond(step, params, state) if e.outvars[0].aval.size == 1000
+    ] == []
+
+
+def test_apply_gradients_agrees_across_replicas():
+    """With axis_name, one replica's overflow skips the step on every replica."""
+    tx = gradtools.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0, axis_name="d")
+    params = {"w": jnp.zeros((2, 3))}  # one row per replica
+    state = jax.vmap(tx.init)(params)
+    grads = {"w": jnp.array([[2.0, 2.0, 2.0], [2.0, jnp.inf, 2.0]])}
+    new, state = jax.vmap(lambda p, s, g: gradtools.apply_gradients(tx, g, s, p), axis_name="d")(
+        params, state, grads
+    )
+    np.testing.assert_array_equal(new["w"], np.zeros((2, 3)))
+    np.testing.assert_array_equal(state.skipped_steps, [1, 1])
+    np.testing.assert_array_equal(state.loss_scale, [1.0, 1.0])
+
+
+def test_apply_gradients_bad_arguments():
+    with pytest.raises(TypeError, match="tx"):
+        gradtools.apply_gradients(lambda g: g, {}, (), {})  # type: ignore[arg-type]
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="params=None"):
+        gradtools.apply_gradients(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
