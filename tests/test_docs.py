@@ -17,6 +17,7 @@ import importlib
 import json
 import pathlib
 import re
+import sys
 import types
 
 import pytest
@@ -24,10 +25,13 @@ import pytest
 import gradtools
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+import api_entries  # noqa: E402  (docs/_ext/api_entries.py: no mkdocs needed)
+
+sys.path.remove(str(ROOT / "docs" / "_ext"))
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_ext" not in p.parts)
 _FENCE = re.compile(r"^( *)(`{3,})\s*(.*)$")
-_DIRECTIVE = re.compile(r"^:::\s+(\S+)\s*$", re.MULTILINE)
 CONTRAST = {"torch", "mindspore"}
 
 
@@ -127,44 +131,17 @@ def test_notebooks_are_committed_with_outputs(notebook):
         assert not errors, f"code cell {n} raised {errors[0].get('ename')}"
 
 
-def _resolve(path: str) -> object:
-    """The object a ``::: path`` entry renders: a submodule wins over a same-named attribute."""
-    parts = path.split(".")
-    for n in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:n]))
-        except ImportError:
-            continue
-        for attr in parts[n:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(path)
-
-
-def _api_entries() -> list[str]:
-    return [
-        m.group(1)
-        for page in sorted((DOCS / "api").glob("*.md"))
-        for m in _DIRECTIVE.finditer(page.read_text())
-    ]
-
-
 def test_every_public_name_has_an_api_entry():
-    shown = {id(_resolve(path)) for path in _api_entries()}
-    missing = [
-        name
-        for name in gradtools.__all__
-        if name != "__version__" and id(getattr(gradtools, name)) not in shown
-    ]
+    missing = api_entries.undocumented()
     assert not missing, f"no '::: gradtools.<module>.<name>' entry in docs/api/ for {missing}"
 
 
 def test_api_entries_name_gradtools_objects():
-    entries = _api_entries()
+    entries = api_entries.directives()
     assert entries
     for path in entries:
         assert path.startswith("gradtools."), path
-        obj = _resolve(path)
+        obj = api_entries.resolve(path)
         module = (
             obj if isinstance(obj, types.ModuleType) else importlib.import_module(obj.__module__)
         )

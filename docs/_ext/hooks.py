@@ -9,9 +9,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -21,42 +19,12 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 from mkdocs.structure.files import Files
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_entries import API_DIR  # noqa: E402  (a sibling file, not a package)
+from api_entries import undocumented  # noqa: E402  (a sibling file, not a package)
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
-API_DIR = ROOT / "docs" / "api"
-_DIRECTIVE = re.compile(r"^:::\s+(gradtools(?:\.\w+)*)\s*$", re.MULTILINE)
-
-
-def _resolve(path: str) -> object:
-    """The object ``path`` names, read as griffe reads it (a submodule wins)."""
-    parts = path.split(".")
-    for n in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:n]))
-        except ImportError:
-            continue
-        for attr in parts[n:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(path)
-
-
-def directives(api_dir: Path = API_DIR) -> list[str]:
-    """The ``::: gradtools...`` paths of the API pages."""
-    return [
-        m.group(1)
-        for page in sorted(api_dir.glob("*.md"))
-        for m in _DIRECTIVE.finditer(page.read_text())
-    ]
-
-
-def undocumented(api_dir: Path = API_DIR) -> list[str]:
-    """The names of ``gradtools.__all__`` that no API page renders."""
-    import gradtools
-
-    shown = {id(_resolve(path)) for path in directives(api_dir)}
-    public = sorted(set(gradtools.__all__) - {"__version__"})
-    return [name for name in public if id(getattr(gradtools, name)) not in shown]
 
 
 def notebook_problems(path: Path) -> list[str]:
