@@ -156,6 +156,11 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     ``optax.apply_if_finite`` around the optimizer skips the step and counts
     it, while ``metrics()`` shows why. (optax zeroes the finite entries when
     the norm is inf, and turns every entry into NaN when it is NaN.)
+    That record survives only where the clip's state is kept: inside a loss
+    scaler (``dynamic_loss_scale(chain(clip_by_global_norm(...), ...))``) a
+    skipped step leaves the whole inner state as it was, so ``grad_norm``
+    still holds the norm of the last applied step; read ``metrics()['finite']``
+    and ``skipped_steps`` for the skip.
 
     Args:
       max_norm: the largest global norm let through; finite and > 0. May be
