@@ -113,6 +113,22 @@ def from_tx(tx: optax.GradientTransformation) -> Callable[[], Pattern]:
     return make
 
 
+def _apply_gradients(tx: optax.GradientTransformation) -> Callable[[], Pattern]:
+    """The step through ``gradtools.apply_gradients`` (what ``train_step`` runs)."""
+
+    def make() -> Pattern:
+        def init(params):
+            return params, tx.init(params)
+
+        def step(carry, grads):
+            params, state = carry
+            return gradtools.apply_gradients(tx, grads, state, params)  # pyright: ignore
+
+        return Pattern(init, step)
+
+    return make
+
+
 def _jmp_select(inner: optax.GradientTransformation) -> Callable[[], Pattern]:
     """jmp's documented loop: unscale, check, adjust, then select whole trees.
 
@@ -271,6 +287,17 @@ def update_cases() -> list[Case]:
             baseline="optax.apply_if_finite(optax.clip+adam)",
         ),
     ]
+    if available("apply_gradients"):
+        cases.append(
+            Case(
+                f"gradtools.apply_gradients(dynamic_loss_scale({inner_name}))",
+                ("loss_scale",),
+                9,
+                ls,
+                _apply_gradients(gradtools.dynamic_loss_scale(inner())),
+                baseline="optax.apply_if_finite(optax.clip+adam)",
+            )
+        )
     if installed("jmp"):
         cases.append(
             Case(

@@ -27,7 +27,8 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 
 #: The cases the compile section measures by default: the ones its targets name.
 COMPILE_CASES = (
-    r"^(optax\.adam|optax\.apply_if_finite|gradtools\.dynamic_loss_scale|jmp\.|flax |"
+    r"^(optax\.adam|optax\.apply_if_finite|gradtools\.dynamic_loss_scale|"
+    r"gradtools\.apply_gradients|jmp\.|flax |"
     r"optax\.MultiSteps|gradtools\.accumulate)"
 )
 

@@ -76,6 +76,19 @@ UPDATE_TARGETS = (
         "optax.apply_if_finite*",
         0.9,
     ),
+    (
+        "apply_gradients(dynamic_loss_scale(gradtools.clip+adam)) / optax.clip+adam",
+        "gradtools.apply_gradients(dynamic_loss_scale*",
+        "optax.clip+adam",
+        1.1,
+    ),
+    (
+        "apply_gradients(dynamic_loss_scale(gradtools.clip+adam)) / "
+        "apply_if_finite(optax.clip+adam)",
+        "gradtools.apply_gradients(dynamic_loss_scale*",
+        "optax.apply_if_finite*",
+        0.9,
+    ),
     ("gradtools.clip+adam / optax.adam", "gradtools.clip+adam", "optax.adam", 1.25),
 )
 
