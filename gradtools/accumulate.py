@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from gradtools import _apply
 from gradtools import _checks
 from gradtools import _tree
 from gradtools.loss_scale import all_finite
@@ -256,7 +257,11 @@ def accumulate(
             inner_state=inner.init(params),
         )
 
-    def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
+    def step(updates, state, params, weight, flush, extra_args, fused):
+        """``update`` (``fused=False``), or ``update`` and ``apply_updates`` in one.
+
+        Returns the updates (or, when ``fused``, the new params) and the new state.
+        """
         _tree.check_like("accumulate", updates, params)
         if every_k > 1:
             _tree.check_like("accumulate", updates, state.acc_grads, "acc_grads (from init)")
@@ -273,6 +278,10 @@ def accumulate(
             dropped = jnp.where(finite, dropped, optax.safe_increment(dropped))
 
         def apply(grads):
+            if fused:  # the updates never leave the branch that computes them
+                return _apply.update_and_apply(
+                    inner, grads, state.inner_state, params, **extra_args
+                )
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         if every_k == 1:
@@ -283,6 +292,8 @@ def accumulate(
             else:
 
                 def skip(grads):
+                    if fused:
+                        return params, state.inner_state
                     zeros = _tree.zeros_like_shapes(jax.eval_shape(apply, grads)[0])
                     return zeros, state.inner_state
 
@@ -317,9 +328,23 @@ def accumulate(
             div = window_weight.astype(dtype) if average else jnp.ones([], dtype)
             return apply(jax.tree.map(lambda a, p: (a / div).astype(p.dtype), acc, like))
 
-        new_updates, acc_grads, inner_state = _emit_or_hold(
-            closes & (window_weight > 0), emit, acc_grads, state.inner_state, dtype
-        )
+        emitting = closes & (window_weight > 0)
+        if fused:  # a micro-step forwards params, buffer and inner state untouched
+
+            def emit_and_apply(acc):
+                new_params, new_inner = emit(acc)
+                return new_params, acc, new_inner
+
+            def hold(acc):
+                return params, acc, state.inner_state
+
+            new_updates, acc_grads, inner_state = lax.cond(
+                emitting, emit_and_apply, hold, acc_grads
+            )
+        else:
+            new_updates, acc_grads, inner_state = _emit_or_hold(
+                emitting, emit, acc_grads, state.inner_state, dtype
+            )
         new_state = AccumulateState(
             micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
             window_weight=jnp.where(closes, jnp.zeros([], jnp.float32), window_weight),
@@ -329,4 +354,11 @@ def accumulate(
         )
         return new_updates, new_state
 
+    def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
+        return step(updates, state, params, weight, flush, extra_args, fused=False)
+
+    def apply_fn(grads, state, params, *, weight=None, flush=False, **extra_args):
+        return step(grads, state, params, weight, flush, extra_args, fused=True)
+
+    _apply.register(update_fn, apply_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -18,7 +18,6 @@ The training loop needs two calls::
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from gradtools import _apply
 from gradtools import _checks
 from gradtools import _tree
 
@@ -157,10 +157,11 @@ def _loss_scaler(
 
         def run(_):
             grads = _unscale(updates, inv_scale, params)
-            new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
             if apply:  # the updates never leave the branch: no buffer for them
-                return optax.apply_updates(params, new_updates), inner_state
-            return new_updates, inner_state
+                return _apply.update_and_apply(
+                    inner, grads, state.inner_state, params, **extra_args
+                )
+            return inner.update(grads, state.inner_state, params, **extra_args)
 
         if skip_nonfinite:
 
@@ -191,23 +192,8 @@ def _loss_scaler(
     def apply_fn(grads, state, params, **extra_args):
         return step(grads, state, params, extra_args, apply=True)
 
-    _APPLY[update_fn] = apply_fn
+    _apply.register(update_fn, apply_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-#: ``tx.update`` of each loss scaler -> its update-and-apply function.
-_APPLY: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
-_APPLY = weakref.WeakKeyDictionary()
-
-
-def _fused_apply(tx: optax.GradientTransformation) -> Callable[..., Any] | None:
-    """``apply(grads, state, params, **extra_args) -> (params, state)`` for a loss scaler.
-
-    It does what ``tx.update`` and ``optax.apply_updates`` do together, with
-    the apply inside the finite branch. ``None`` when ``tx`` is not a loss
-    scaler. Used by :func:`gradtools.apply_gradients`.
-    """
-    return _APPLY.get(tx.update)
 
 
 def dynamic_loss_scale(

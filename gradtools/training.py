@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import optax
 
+from gradtools import _apply
 from gradtools import _checks
-from gradtools.loss_scale import _fused_apply
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
 
@@ -26,18 +26,22 @@ def apply_gradients(
 ) -> tuple[Any, optax.OptState]:
     """``tx.update`` then ``optax.apply_updates``, in one call: returns the new params and state.
 
-    The result is what the two lines give::
+    The result is what these two lines give (to the last bit where XLA fuses
+    the additions differently)::
 
       updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
       params = optax.apply_updates(params, updates)
 
-    When ``tx`` is a :func:`gradtools.dynamic_loss_scale` or
-    :func:`gradtools.fixed_loss_scale` wrapper, the params are updated inside
-    the branch that runs the optimizer, and a skipped step returns them as they
-    were. The updates then never leave that branch, so XLA needs no
-    parameter-sized buffer for them: at 16M-64M float32 params in a jitted,
-    donated step on CPU this made a loss-scaled clip + Adam step about 15%
-    faster (``benchmarks/RESULTS.md``). :func:`train_step` calls it.
+    When ``tx`` is a :func:`gradtools.dynamic_loss_scale`,
+    :func:`gradtools.fixed_loss_scale` or :func:`gradtools.accumulate` wrapper
+    (one inside the other too), the params are updated inside the branch that
+    runs the optimizer, and a step that runs no optimizer (a skipped step, an
+    accumulation micro-step) returns them as they were. The updates then never
+    leave that branch, so XLA needs no parameter-sized buffer for them, and a
+    micro-step reads and writes only the accumulation buffer. The new state is
+    the one ``tx.update`` returns, except for what a closed accumulation window
+    leaves in its buffer (never read again). :func:`train_step` calls this.
+    Measured on CPU, see ``benchmarks/RESULTS.md``.
 
     Args:
       tx: any ``optax.GradientTransformation``.
@@ -72,11 +76,7 @@ def apply_gradients(
     _checks.is_transform("tx", tx)
     if params is None:
         raise ValueError("apply_gradients: params=None; pass the params the gradients belong to")
-    apply = _fused_apply(tx)
-    if apply is not None:
-        return apply(grads, opt_state, params, **extra_args)
-    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-    return optax.apply_updates(params, updates), opt_state
+    return _apply.update_and_apply(tx, grads, opt_state, params, **extra_args)
 
 
 def train_step(

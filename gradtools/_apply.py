@@ -1,0 +1,47 @@
+"""Update and apply in one step, through the fast path a transform registers.
+
+A wrapper whose optimizer work runs inside a ``lax.cond`` (a loss scaler's
+skip, an accumulation window) can apply the updates inside that branch too.
+The updates then never leave it, so XLA needs no parameter-sized buffer for
+them, and a step that does no optimizer work leaves the params untouched
+instead of adding zeros to them. :func:`gradtools.apply_gradients` is the
+public entry point.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+__all__ = ["register", "update_and_apply"]
+
+#: ``tx.update`` -> ``apply(grads, state, params, **extra_args) -> (params, state)``.
+_FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
+_FUSED = weakref.WeakKeyDictionary()
+
+
+def register(update_fn: Callable[..., Any], apply_fn: Callable[..., Any]) -> None:
+    """Records ``apply_fn`` as the update-and-apply form of ``update_fn``.
+
+    ``apply_fn(grads, state, params, **extra_args)`` must return what
+    ``optax.apply_updates(params, updates)`` and the new state would be after
+    ``update_fn(grads, state, params, **extra_args)``.
+    """
+    _FUSED[update_fn] = apply_fn
+
+
+def update_and_apply(
+    tx: optax.GradientTransformation, grads: Any, state: Any, params: Any, **extra_args: Any
+) -> tuple[Any, Any]:
+    """``(params, state)`` after one step of ``tx``: its fast path, else update then apply."""
+    try:
+        fused = _FUSED.get(tx.update)
+    except TypeError:  # an update function that takes no weak references
+        fused = None
+    if fused is not None:
+        return fused(grads, state, params, **extra_args)
+    updates, state = tx.update(grads, state, params, **extra_args)
+    return optax.apply_updates(params, updates), state
