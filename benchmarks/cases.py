@@ -341,6 +341,17 @@ def update_cases() -> list[Case]:
                 baseline="optax.MultiSteps(adam) micro-step",
             )
         )
+        if available("apply_gradients"):
+            cases.append(
+                Case(
+                    "gradtools.apply_gradients(accumulate(adam)) micro-step",
+                    ("accumulate",),
+                    3,
+                    "buffer: read g, acc; write acc (params untouched)",
+                    _apply_gradients(acc(_adam(), MICRO_K)),
+                    baseline="optax.MultiSteps(adam) micro-step",
+                )
+            )
     if available("freeze"):
         cases += _group_cases()
     return cases

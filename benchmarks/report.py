@@ -65,6 +65,18 @@ UPDATE_TARGETS = (
         0.1,
     ),
     (
+        "apply_gradients(accumulate) micro-step / its bandwidth bound (3 words)",
+        "gradtools.apply_gradients(accumulate*",
+        None,
+        1.5,
+    ),
+    (
+        "apply_gradients(accumulate) micro-step / optax.MultiSteps micro-step",
+        "gradtools.apply_gradients(accumulate*",
+        "optax.MultiSteps*",
+        0.1,
+    ),
+    (
         "dynamic_loss_scale(gradtools.clip+adam) / optax.clip+adam",
         "gradtools.dynamic_loss_scale*",
         "optax.clip+adam",
