@@ -29,7 +29,10 @@ TINY = cli.Config(
     lenet_batch=2,
     lenet_reps=1,
     quick=True,
-    match=r"^gradtools\.(accumulate|dynamic_loss_scale)|^jmp|fp32 \(adam\)|eager fp32",
+    match=(
+        r"^gradtools\.(accumulate|dynamic_loss_scale|apply_gradients)|^jmp"
+        r"|fp32 \(adam\)|eager fp32"
+    ),
 )
 
 UPDATE_KEYS = {
@@ -61,6 +64,9 @@ def test_update_rows_cover_every_group_with_its_triad(results):
     acc = next(r for r in rows if r["case"].startswith("gradtools.accumulate"))
     assert acc["baseline"] is None  # MultiSteps was filtered out by `match`
     assert acc["words"] == 6
+    fused = {r["group"]: r for r in rows if r["case"].startswith("gradtools.apply_gradients")}
+    assert set(fused) == {"loss_scale", "accumulate"}  # the apply_gradients path runs too
+    assert fused["accumulate"]["words"] == 3  # a micro-step leaves the params alone
 
 
 def test_select_tree_patterns_are_capped_by_leaves(results):
