@@ -14,9 +14,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
 
-__all__ = ["register", "update_and_apply"]
+from gradtools import _tree
+
+__all__ = ["inner_step", "no_step", "register", "update_and_apply"]
 
 #: ``tx.update`` -> ``apply(grads, state, params, **extra_args) -> (params, state)``.
 _FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
@@ -45,3 +48,27 @@ def update_and_apply(
         return fused(grads, state, params, **extra_args)
     updates, state = tx.update(grads, state, params, **extra_args)
     return optax.apply_updates(params, updates), state
+
+
+def inner_step(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+    fused: bool,
+) -> tuple[Any, Any]:
+    """A wrapper calling its inner ``tx``: ``(updates, state)``; fused, ``(params, state)``."""
+    if fused:
+        return update_and_apply(tx, grads, state, params, **extra_args)
+    return tx.update(grads, state, params, **extra_args)
+
+
+def no_step(fused: bool, params: Any, step: Callable[..., Any], *args: Any) -> Any:
+    """What a branch that runs no optimizer returns in place of ``step(*args)[0]``.
+
+    Fused, the params as they are; else zero updates of the shapes ``step`` gives.
+    """
+    if fused:
+        return params
+    return _tree.zeros_like_shapes(jax.eval_shape(step, *args)[0])

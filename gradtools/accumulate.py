@@ -277,12 +277,8 @@ def accumulate(
         if finite is not None:
             dropped = jnp.where(finite, dropped, optax.safe_increment(dropped))
 
-        def apply(grads):
-            if fused:  # the updates never leave the branch that computes them
-                return _apply.update_and_apply(
-                    inner, grads, state.inner_state, params, **extra_args
-                )
-            return inner.update(grads, state.inner_state, params, **extra_args)
+        def apply(grads):  # fused, the updates never leave the branch that computes them
+            return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
 
         if every_k == 1:
             if w is not None and not average:  # the weighted sum of one micro-batch
@@ -292,10 +288,7 @@ def accumulate(
             else:
 
                 def skip(grads):
-                    if fused:
-                        return params, state.inner_state
-                    zeros = _tree.zeros_like_shapes(jax.eval_shape(apply, grads)[0])
-                    return zeros, state.inner_state
+                    return _apply.no_step(fused, params, apply, grads), state.inner_state
 
                 new_updates, inner_state = lax.cond(take, apply, skip, updates)
             return new_updates, state._replace(dropped_micro_steps=dropped, inner_state=inner_state)

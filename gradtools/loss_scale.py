@@ -140,10 +140,10 @@ def _loss_scaler(
             inner_state=inner.init(params),
         )
 
-    def step(updates, state, params, extra_args, apply):
-        """``update`` (``apply=False``), or ``update`` and ``apply_updates`` in one.
+    def step(updates, state, params, extra_args, fused):
+        """``update`` (``fused=False``), or ``update`` and ``apply_updates`` in one.
 
-        Returns the updates (or, with ``apply``, the new params) and the new state.
+        Returns the updates (or, when ``fused``, the new params) and the new state.
         """
         _tree.check_like(caller, updates, params)
         # The unscaled gradients are never stored: they are recomputed inside the
@@ -155,21 +155,14 @@ def _loss_scaler(
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
-        def run(_):
+        def run(_):  # fused, the updates never leave the branch: no buffer for them
             grads = _unscale(updates, inv_scale, params)
-            if apply:  # the updates never leave the branch: no buffer for them
-                return _apply.update_and_apply(
-                    inner, grads, state.inner_state, params, **extra_args
-                )
-            return inner.update(grads, state.inner_state, params, **extra_args)
+            return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
 
         if skip_nonfinite:
 
             def skip(_):
-                if apply:
-                    return params, state.inner_state
-                new_updates = jax.eval_shape(run, None)[0]
-                return _tree.zeros_like_shapes(new_updates), state.inner_state
+                return _apply.no_step(fused, params, run, None), state.inner_state
 
             out, inner_state = lax.cond(finite, run, skip, None)
         else:
@@ -187,10 +180,10 @@ def _loss_scaler(
         return out, new_state
 
     def update_fn(updates, state, params=None, **extra_args):
-        return step(updates, state, params, extra_args, apply=False)
+        return step(updates, state, params, extra_args, fused=False)
 
     def apply_fn(grads, state, params, **extra_args):
-        return step(grads, state, params, extra_args, apply=True)
+        return step(grads, state, params, extra_args, fused=True)
 
     _apply.register(update_fn, apply_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
