@@ -1,7 +1,8 @@
 """LeNet-5 training throughput: gradtools train steps against PyTorch eager.
 
 The JAX side is the demo's model (``gradtools.demo.model.LeNet5``) trained by
-``gradtools.train_step`` under ``jax.jit`` with params and state donated; the
+``gradtools.train_step`` under ``jax.jit`` with params and state donated and
+the demo's ``compiler_options()`` (one row compiles with XLA's defaults); the
 PyTorch side is the same network (same layers, 61,706 parameters) trained
 eagerly with ``torch.optim.Adam``. Both see the same random 32x32 images, a
 fixed batch, and are timed interleaved. PyTorch is optional
@@ -33,11 +34,12 @@ def _jax_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], lis
     """name -> (batch -> a warm, blocking step callable)."""
     try:
         from gradtools.demo.model import LeNet5
+        from gradtools.demo.model import compiler_options
     except ImportError:
         return {}, ["gradtools.demo is not in this build: the JAX LeNet rows are skipped"]
 
     def variant(
-        dtype: Any, tx: optax.GradientTransformation
+        dtype: Any, tx: optax.GradientTransformation, options: dict[str, str] | None = None
     ) -> Callable[[int], Callable[[], None]]:
         def build(batch: int) -> Callable[[], None]:
             model = LeNet5(dtype=dtype)
@@ -50,7 +52,11 @@ def _jax_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], lis
                 logits = model.apply({"params": p}, x)
                 return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-            step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
+            step = jax.jit(
+                gradtools.train_step(loss_fn, tx),
+                donate_argnums=(0, 1),
+                compiler_options=compiler_options() if options is None else options,
+            )
             carry = [params, tx.init(params)]
 
             def run() -> None:
@@ -65,6 +71,7 @@ def _jax_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], lis
     adam = optax.adam(1e-3)
     out = {
         "gradtools fp32 (adam)": variant(jnp.float32, adam),
+        "gradtools fp32 (adam), XLA default options": variant(jnp.float32, adam, {}),
         "gradtools bf16 (adam)": variant(jnp.bfloat16, adam),
         "gradtools fp16 + dynamic_loss_scale(adam)": variant(
             jnp.float16, gradtools.dynamic_loss_scale(adam)

@@ -9,12 +9,14 @@ through :func:`train_and_evaluate`, once on four devices through the CLI.
 
 import contextlib
 import dataclasses
+import functools
 import gzip
 import io
 import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +30,10 @@ from gradtools.demo import LeNet5
 from gradtools.demo import data
 from gradtools.demo import train_and_evaluate
 from gradtools.demo.__main__ import main
+from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
 from gradtools.demo.model import init_key
+from gradtools.demo.model import max_pool_2x2
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
 SETTING = dict(
@@ -115,6 +119,38 @@ def test_lenet5_computes_in_its_dtype_and_returns_float32_logits(dtype):
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(convs) == 2 and len(dots) == 3
     assert {e.outvars[0].aval.dtype for e in convs + dots} == {jnp.dtype(dtype)}
+
+
+def test_max_pool_2x2_matches_flax_max_pool_values_and_gradients():
+    # Continuous random values have no ties, where the two gradients agree exactly.
+    x = jax.random.normal(jax.random.key(1), (3, 28, 28, 6))
+    cotangent = jax.random.normal(jax.random.key(2), (3, 14, 14, 6))
+    flax_pool = functools.partial(nn.max_pool, window_shape=(2, 2), strides=(2, 2))
+
+    def pooled_dot(pool):
+        return jax.jit(jax.value_and_grad(lambda x: jnp.vdot(pool(x), cotangent)))
+
+    (ours, ours_grad), (ref, ref_grad) = pooled_dot(max_pool_2x2)(x), pooled_dot(flax_pool)(x)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    np.testing.assert_array_equal(max_pool_2x2(x), flax_pool(x))
+    np.testing.assert_array_equal(ours_grad, ref_grad)
+    # A window with two equal maxima splits the gradient between them.
+    tie = jnp.array([[2.0, 2.0], [0.0, -1.0]]).reshape(1, 2, 2, 1)
+    grad = jax.grad(lambda x: max_pool_2x2(x).sum())(tie)
+    np.testing.assert_array_equal(grad.ravel(), [0.5, 0.5, 0.0, 0.0])
+
+
+def test_compiler_options_compile_lenet5_to_the_same_logits():
+    options = compiler_options()
+    assert options == (
+        {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else {}
+    )
+    model = LeNet5()
+    params = model.init(init_key(0), jnp.zeros((1, 32, 32, 1)))
+    x = jax.random.normal(jax.random.key(3), (8, 32, 32, 1))
+    tuned = jax.jit(model.apply, compiler_options=options)(params, x)
+    default = jax.jit(model.apply)(params, x)
+    np.testing.assert_allclose(tuned, default, rtol=1e-5, atol=1e-5)
 
 
 # The data.

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DTYPES", "LeNet5", "count_params", "init_key"]
+__all__ = ["DTYPES", "LeNet5", "compiler_options", "count_params", "init_key", "max_pool_2x2"]
 
 #: ``--precision`` names and the compute dtypes they select.
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -39,11 +40,52 @@ class LeNet5(nn.Module):
         x = x.astype(self.dtype)
         for name, features in (("conv1", 6), ("conv2", 16)):
             x = nn.Conv(features, (5, 5), padding="VALID", name=name, **layer)(x)
-            x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = max_pool_2x2(nn.relu(x))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(nn.Dense(120, name="fc1", **layer)(x))
         x = nn.relu(nn.Dense(84, name="fc2", **layer)(x))
         return nn.Dense(10, name="fc3", **layer)(x).astype(jnp.float32)
+
+
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+    """Max pooling over 2x2 windows with stride 2 of ``(batch, height, width, channels)``.
+
+    The values of ``nn.max_pool(x, (2, 2), strides=(2, 2))`` (height and width
+    must be even), written as a reshape and a max so that its gradient is an
+    elementwise select. ``nn.max_pool``'s gradient is a ``select_and_scatter``,
+    which XLA:CPU expands into a scatter that took as long as both
+    convolutions' gradients in a profile of this model's training step. Where a
+    window holds several equal maxima the gradient is split between them;
+    ``nn.max_pool`` gives it all to one.
+    """
+    b, h, w, c = x.shape
+    return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
+#: XLA:CPU options for LeNet-5's programs: no YNNPACK fusions, so XLA:CPU's own
+#: (Eigen) convolutions run. With its default YNNPACK convolutions the training
+#: step ran at about 0.6x the images/s (``python -m benchmarks --sections lenet``).
+_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options() -> dict[str, str]:
+    """The ``compiler_options`` to ``jax.jit`` LeNet-5's programs with.
+
+    Empty unless the default backend is CPU and its XLA knows the options (they
+    are experimental: an XLA without them would reject the compile).
+    """
+    return dict(_CPU_OPTIONS) if _cpu_options_apply() else {}
+
+
+@functools.cache
+def _cpu_options_apply() -> bool:
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        jax.jit(lambda: 0, compiler_options=_CPU_OPTIONS).lower().compile()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
 
 
 def count_params(params: Any) -> int:

@@ -36,6 +36,7 @@ from gradtools.demo.config import resumed
 from gradtools.demo.config import validate
 from gradtools.demo.model import DTYPES
 from gradtools.demo.model import LeNet5
+from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
 from gradtools.demo.model import init_key
 from gradtools.demo.optim import make_optimizer
@@ -187,9 +188,12 @@ def _programs(config: Config, total_updates: int) -> _Programs:
         split=NamedSharding(mesh, P("data")),
         init=jax.jit(init, out_shardings=replicated),
         train_step=jax.jit(
-            gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1), out_shardings=replicated
+            gradtools.train_step(loss_fn, tx),
+            donate_argnums=(0, 1),
+            out_shardings=replicated,
+            compiler_options=compiler_options(),
         ),
-        count_correct=jax.jit(count_correct),
+        count_correct=jax.jit(count_correct, compiler_options=compiler_options()),
     )
 
 
