@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["check_like", "distinct_scalars", "scale_f32", "zeros_like_shapes"]
+__all__ = ["check_like", "distinct_scalars", "reduce_scalars", "scale_f32", "zeros_like_shapes"]
 
 _MAX_SHOWN = 10  # how many differing paths an error message lists
+_FAN_IN = 32  # scalars combined by one fusion in reduce_scalars
 
 
 def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
@@ -60,6 +62,31 @@ def distinct_scalars(value: jax.Array, leaves: list[jax.Array]) -> list[jax.Arra
     """
     value = jnp.asarray(value, jnp.float32)
     return [jax.lax.optimization_barrier((value, x))[0] for x in leaves]
+
+
+def reduce_scalars(scalars: list[jax.Array], reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``reduce(jnp.stack(scalars))``, combined in groups of at most 32.
+
+    One value per leaf (a finiteness flag, a sum of squares) must be combined
+    into one. XLA fuses a flat combination of ``n`` scalars into one kernel
+    with ``n`` inputs, and LLVM's time to compile that kernel grows faster than
+    linearly: at 1000 leaves it alone took 9 of a loss scaler's 27 s of
+    compile time. Here each level combines groups of 32 and a
+    ``lax.optimization_barrier`` keeps XLA from fusing the levels back into
+    one, so every kernel has at most 32 inputs. For sums the grouping is
+    a different summation order than a flat ``jnp.sum`` (float32 rounding).
+
+    Args:
+      scalars: a non-empty list of scalar arrays of one dtype.
+      reduce: reduces a 1-D array to a scalar (``jnp.all``, ``jnp.sum``, ``jnp.max``).
+
+    Returns:
+      The combined scalar.
+    """
+    while len(scalars) > _FAN_IN:
+        groups = [scalars[i : i + _FAN_IN] for i in range(0, len(scalars), _FAN_IN)]
+        scalars = list(jax.lax.optimization_barrier([reduce(jnp.stack(g)) for g in groups]))
+    return reduce(jnp.stack(scalars))
 
 
 def _shorten(text: str, limit: int = 400) -> str:

@@ -67,11 +67,11 @@ def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
     """The p-norm of all leaves for a Python float ``p``."""
     mags = _magnitudes(leaves)
     if p == math.inf:
-        return jnp.max(jnp.stack([jnp.max(m, initial=0.0) for m in mags]))
+        return _tree.reduce_scalars([jnp.max(m, initial=0.0) for m in mags], jnp.max)
     if p == 1:
-        return jnp.sum(jnp.stack([jnp.sum(m) for m in mags]))
+        return _tree.reduce_scalars([jnp.sum(m) for m in mags], jnp.sum)
     if p == 2:
-        return jnp.sqrt(jnp.sum(jnp.stack([jnp.sum(jnp.square(m)) for m in mags])))
+        return jnp.sqrt(_tree.reduce_scalars([jnp.sum(jnp.square(m)) for m in mags], jnp.sum))
     return _scaled_norm(leaves, p)
 
 
@@ -80,7 +80,7 @@ def _scaled_norm(leaves: list[jax.Array], p: Any) -> jax.Array:
     mags = _magnitudes(leaves)
     big = _fixed_norm(leaves, math.inf)
     unit = jnp.where(jnp.isfinite(big) & (big > 0), big, jnp.ones([], jnp.float32))
-    total = jnp.sum(jnp.stack([jnp.sum((m / unit) ** p) for m in mags]))
+    total = _tree.reduce_scalars([jnp.sum((m / unit) ** p) for m in mags], jnp.sum)
     return unit * total ** (1.0 / p)
 
 

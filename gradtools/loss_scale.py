@@ -82,7 +82,7 @@ def all_finite(tree: Any) -> jax.Array:
     flags = [_leaf_finite(jnp.asarray(x)) for x in leaves]
     if not flags:
         return jnp.array(True)
-    return jnp.stack(flags).all()
+    return _tree.reduce_scalars(flags, jnp.all)
 
 
 def _leaf_finite(x: jax.Array) -> jax.Array:

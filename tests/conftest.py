@@ -22,3 +22,29 @@ def strict_dtypes():
     """Runs a test under strict dtype promotion (no silent up-casts)."""
     with jax.numpy_dtype_promotion("strict"):
         yield
+
+
+def _concatenate_widths(jaxpr):
+    """Operand counts of every ``stack``/``concatenate`` in ``jaxpr`` and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("stack", "concatenate"):
+            yield len(eqn.invars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from _concatenate_widths(sub)
+
+
+@pytest.fixture
+def widest_concatenate():
+    """``widest(fn, *args)``: the most operands of any stack ``fn`` traces to.
+
+    One ``jnp.stack`` of a scalar per leaf becomes one XLA kernel with that many
+    inputs, whose compile time grows faster than linearly.
+    """
+
+    def widest(fn, *args):
+        return max(_concatenate_widths(jax.make_jaxpr(fn)(*args).jaxpr), default=0)
+
+    return widest
