@@ -91,7 +91,11 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
     ``x - x`` is 0 for finite ``x`` and NaN for inf or NaN, and a NaN survives
     any summation order. XLA:CPU fuses the producer of ``x`` (the unscaling)
     into this float sum and reads ``x`` once, where ``isfinite(x).all()``
-    writes a bool array and reduces it in several more passes.
+    writes a bool array and reduces it in several more passes. (That bool
+    array is a temporary of a quarter of the gradients' bytes in
+    ``apply_gradients(dynamic_loss_scale(adam))``, which has none otherwise;
+    it does compile faster: 24-26 s instead of 29-33 s for a loss-scaled
+    clip+adam at 1000 leaves.)
     """
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.array(True)
