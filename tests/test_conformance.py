@@ -361,6 +361,10 @@ def test_sharded_params_keep_their_layout_and_values(row_id):
     got, _, state, updates = run(jax.jit(step_fn(tx)), tx, params, grads)
     (want, _, want_state, want_updates), _ = reference(row_id)
     assert_same((got, state, updates), (want, want_state, want_updates), exact=False)
+    if row_id in ("freeze", "frozen") and jax.__version_info__ < (0, 10):
+        # jax 0.6 and 0.7 give zeros_like no sharding: the frozen params' zero
+        # updates come back replicated (their values were checked above).
+        return
     for tree in (got, *updates):
         for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)

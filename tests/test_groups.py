@@ -97,7 +97,8 @@ def test_path_names_linen_plain_and_nnx():
     state = nnx.state(model, nnx.Param)  # nnx.Variable leaves, as nnx.Optimizer's init sees
     expected = ["layers/0/bias", "layers/0/kernel", "layers/1/bias", "layers/1/scale"]
     assert jax.tree.leaves(gradtools.path_names(state)) == expected
-    assert jax.tree.leaves(gradtools.path_names(nnx.as_pure(state))) == expected  # as update sees
+    if hasattr(nnx, "as_pure"):  # newer flax hands update plain arrays
+        assert jax.tree.leaves(gradtools.path_names(nnx.as_pure(state))) == expected
     # decay_mask and label_params see each nnx.Variable as one leaf.
     assert nnx.to_pure_dict(gradtools.decay_mask(state)) == {
         "layers": {0: {"bias": False, "kernel": True}, 1: {"bias": False, "scale": False}}
@@ -536,7 +537,7 @@ def test_learning_rate_metric_and_extra_args_reach_the_groups():
             del params
             return jax.tree.map(lambda u: u * factor, updates), state
 
-        return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+        return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
     tx = gradtools.param_groups([(r"^a", times())], default=optax.chain(optax.sgd(1.0)))
     tx = optax.chain(tx)  # optax.chain forwards extra args

@@ -360,7 +360,10 @@ def test_apply_gradients_applies_inside_the_loss_scalers_branch():
         assert len(fused) == len(_adds_outside_cond(by_hand, params, state, grads)) - 2
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's buffer assignment")
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu" or jax.__version_info__ < (0, 10),
+    reason="XLA:CPU's buffer assignment, as of jaxlib 0.10 (0.6 and 0.7 store a temporary)",
+)
 def test_loss_scaled_adam_through_apply_gradients_needs_no_temporary_buffer():
     """Unscaling, the finiteness check and Adam all fuse: nothing parameter-sized is stored.
 
