@@ -7,10 +7,15 @@ lowest versions ``pyproject.toml`` admits are the ones it has tested.
 import re
 from pathlib import Path
 
-text = Path("pyproject.toml").read_text()
-floors = {name: re.search(rf'"{name}>=([\d.]+)"', text) for name in ("jax", "optax")}
-missing = [name for name, found in floors.items() if found is None]
-if missing:
-    raise SystemExit(f"pyproject.toml: no '{missing[0]}>=X' dependency to take the floor of")
-jax, optax = (floors[name][1] for name in ("jax", "optax"))  # pyright: ignore
+TEXT = Path("pyproject.toml").read_text()
+
+
+def floor(name: str) -> str:
+    found = re.search(rf'"{name}>=([\d.]+)"', TEXT)
+    if found is None:
+        raise SystemExit(f"pyproject.toml: no '{name}>=X' dependency to take the floor of")
+    return found[1]
+
+
+jax, optax = floor("jax"), floor("optax")
 print(f"jax=={jax}\njaxlib=={jax}\noptax=={optax}")

@@ -24,7 +24,7 @@ def strict_dtypes():
         yield
 
 
-def _concatenate_widths(jaxpr):
+def _stack_widths(jaxpr):
     """Operand counts of every ``stack``/``concatenate`` in ``jaxpr`` and its sub-jaxprs."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("stack", "concatenate"):
@@ -33,11 +33,11 @@ def _concatenate_widths(jaxpr):
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
                 if hasattr(sub, "eqns"):
-                    yield from _concatenate_widths(sub)
+                    yield from _stack_widths(sub)
 
 
 @pytest.fixture
-def widest_concatenate():
+def widest_stack():
     """``widest(fn, *args)``: the most operands of any stack ``fn`` traces to.
 
     One ``jnp.stack`` of a scalar per leaf becomes one XLA kernel with that many
@@ -45,6 +45,6 @@ def widest_concatenate():
     """
 
     def widest(fn, *args):
-        return max(_concatenate_widths(jax.make_jaxpr(fn)(*args).jaxpr), default=0)
+        return max(_stack_widths(jax.make_jaxpr(fn)(*args).jaxpr), default=0)
 
     return widest

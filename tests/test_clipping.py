@@ -43,13 +43,13 @@ def test_global_norm_matches_numpy(p):
 
 
 @pytest.mark.parametrize("p", [1, 2.0, 3, math.inf], ids=["L1", "L2", "L3", "Linf"])
-def test_global_norm_of_1100_leaves_matches_numpy_and_combines_32_at_a_time(p, widest_concatenate):
+def test_global_norm_of_1100_leaves_matches_numpy_and_combines_32_at_a_time(p, widest_stack):
     # 1100 leaves take three levels of groups of 32 (1100 -> 35 -> 2 -> 1).
     tree = [jnp.asarray(RNG.normal(size=int(n)), jnp.float32) for n in RNG.integers(1, 9, 1100)]
     got = jax.jit(lambda t: gradtools.global_norm(t, norm_type=p))(tree)
     np.testing.assert_allclose(got, np_norm(tree, p), rtol=1e-5)
     norm = functools.partial(gradtools.global_norm, norm_type=p)
-    assert 2 <= widest_concatenate(norm, tree) <= 32
+    assert 2 <= widest_stack(norm, tree) <= 32
     tree[1099] = tree[1099].at[0].set(jnp.inf)
     assert np.isinf(gradtools.global_norm(tree, norm_type=p))
 

@@ -363,13 +363,13 @@ def test_all_finite():
 
 
 @pytest.mark.parametrize("bad", [None, 0, 31, 32, 555, 1099])
-def test_all_finite_of_1100_leaves_finds_any_nonfinite_leaf(bad, widest_concatenate):
+def test_all_finite_of_1100_leaves_finds_any_nonfinite_leaf(bad, widest_stack):
     tree = [jnp.full(3, float(i), jnp.float32) for i in range(1100)]
     if bad is not None:
         tree[bad] = tree[bad].at[1].set(jnp.nan if bad % 2 else jnp.inf)
     expected = all(np.isfinite(np.asarray(x)).all() for x in tree)
     assert bool(jax.jit(gradtools.all_finite)(tree)) is expected
-    assert 2 <= widest_concatenate(gradtools.all_finite, tree) <= 32
+    assert 2 <= widest_stack(gradtools.all_finite, tree) <= 32
 
 
 @pytest.mark.parametrize("axis_name", ["d", None])

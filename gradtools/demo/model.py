@@ -64,7 +64,7 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
 
 #: XLA:CPU options for LeNet-5's programs: no YNNPACK fusions, so XLA:CPU's own
 #: (Eigen) convolutions run. With its default YNNPACK convolutions the training
-#: step ran at about 0.6x the images/s (``python -m benchmarks --sections lenet``).
+#: step ran at about 0.7x the images/s (``python -m benchmarks --sections lenet``).
 _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
