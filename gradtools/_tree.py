@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["check_like", "distinct_scalars", "reduce_scalars", "scale_f32", "zeros_like_shapes"]
+__all__ = [
+    "check_like",
+    "distinct_scalars",
+    "reduce_scalars",
+    "scale_f32",
+    "square_sum",
+    "square_sums_known",
+    "zeros_like_shapes",
+]
 
 _MAX_SHOWN = 10  # how many differing paths an error message lists
 _FAN_IN = 32  # scalars combined by one fusion in reduce_scalars
@@ -87,6 +98,42 @@ def reduce_scalars(scalars: list[jax.Array], reduce: Callable[[jax.Array], jax.A
         groups = [scalars[i : i + _FAN_IN] for i in range(0, len(scalars), _FAN_IN)]
         scalars = list(jax.lax.optimization_barrier([reduce(jnp.stack(g)) for g in groups]))
     return reduce(jnp.stack(scalars))
+
+
+#: id(array) -> (array, its float32 sum of squares), for the arrays being traced.
+_KNOWN: contextvars.ContextVar[dict[int, tuple[jax.Array, jax.Array]]]
+_KNOWN = contextvars.ContextVar("gradtools_square_sums", default={})  # noqa: B039 (never mutated)
+
+
+def square_sum(x: jax.Array) -> jax.Array:
+    """``sum(x ** 2)`` in float32, or the value :func:`square_sums_known` gave for ``x``."""
+    known = _KNOWN.get().get(id(x))
+    if known is not None and known[0] is x:
+        return known[1]
+    x = jnp.asarray(x).astype(jnp.float32)
+    return jnp.sum(x * x)
+
+
+@contextlib.contextmanager
+def square_sums_known(leaves: list[jax.Array], sums: list[jax.Array]) -> Iterator[None]:
+    """While tracing inside, :func:`square_sum` of these very arrays returns ``sums``.
+
+    A loss scaler must read the gradients before its branch, to decide whether
+    they are finite; a clip inside the branch reads them again for its norm,
+    and XLA stores them in between. When the scaler's one read also yields the
+    sums of squares, the clip takes them from here instead: one pass over the
+    gradients where there were two, and no stored copy. The match is by object
+    identity at trace time, so only the arrays the scaler passed on get the
+    sums; anything that transforms them first makes new arrays, whose sums are
+    computed afresh.
+    """
+    known = dict(_KNOWN.get())
+    known.update({id(x): (x, s) for x, s in zip(leaves, sums, strict=True)})
+    token = _KNOWN.set(known)
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
 
 
 def _shorten(text: str, limit: int = 400) -> str:

@@ -11,6 +11,9 @@ Put the clip inside the loss scaler, so that it sees unscaled gradients::
 
     tx = gradtools.dynamic_loss_scale(
         optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(1e-3)))
+
+There, first in the scaler's chain, the L2 norm costs no read of its own: the
+scaler's finiteness check sums the squares in the same pass.
 """
 
 from __future__ import annotations
@@ -65,13 +68,13 @@ def _magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
     """The p-norm of all leaves for a Python float ``p``."""
+    if p == 2:  # a loss scaler around the clip may have summed the squares already
+        return jnp.sqrt(_tree.reduce_scalars([_tree.square_sum(x) for x in leaves], jnp.sum))
     mags = _magnitudes(leaves)
     if p == math.inf:
         return _tree.reduce_scalars([jnp.max(m, initial=0.0) for m in mags], jnp.max)
     if p == 1:
         return _tree.reduce_scalars([jnp.sum(m) for m in mags], jnp.sum)
-    if p == 2:
-        return jnp.sqrt(_tree.reduce_scalars([jnp.sum(jnp.square(m)) for m in mags], jnp.sum))
     return _scaled_norm(leaves, p)
 
 

@@ -89,17 +89,32 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
     """``isfinite(x).all()`` as one float reduction: ``isfinite(sum(x - x))``.
 
     ``x - x`` is 0 for finite ``x`` and NaN for inf or NaN, and a NaN survives
-    any summation order. XLA:CPU fuses the producer of ``x`` (the unscaling)
-    into this float sum and reads ``x`` once, where ``isfinite(x).all()``
-    writes a bool array and reduces it in several more passes. (That bool
-    array is a temporary of a quarter of the gradients' bytes in
-    ``apply_gradients(dynamic_loss_scale(adam))``, which has none otherwise;
-    it does compile faster: 24-26 s instead of 29-33 s for a loss-scaled
-    clip+adam at 1000 leaves.)
+    any summation order. XLA:CPU fuses the producer of ``x`` into this float
+    sum and reads ``x`` once, where ``isfinite(x).all()`` writes a bool array
+    (a temporary of a quarter of ``x``'s bytes) and reduces it in more passes.
     """
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.array(True)
     return jnp.isfinite(jnp.sum(x - x))
+
+
+def _float_leaves(tree: Any) -> list[jax.Array]:
+    """The leaves that can hold inf or NaN."""
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _checked_square_sums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Per leaf, ``sum(x * x + (x - x))`` in float32: both what the scaler needs and a clip's norm.
+
+    ``x - x`` is 0 for finite ``x`` and NaN for inf or NaN, so a leaf's sum is
+    NaN exactly when the leaf holds a non-finite value (the squares are never
+    negative, so an overflow of finite ones gives +inf, never NaN); otherwise
+    it is the leaf's sum of squares, which a ``clip_by_global_norm`` inside the
+    scaler then takes instead of reading the gradients again
+    (:func:`_tree.square_sums_known`). XLA fuses the unscaling into this
+    reduction, so it reads the scaled gradients once.
+    """
+    return [jnp.sum(y * y + (y - y)) for y in (x.astype(jnp.float32) for x in leaves)]
 
 
 def _unscale(updates: Any, inv_scale: jax.Array, params: Any) -> Any:
@@ -155,13 +170,17 @@ def _loss_scaler(
         # see _tree.distinct_scalars). Storing them costs a parameter-sized write
         # and read, and on XLA:CPU a temporary buffer faulted in on every step.
         inv_scale = 1.0 / state.loss_scale
-        finite = all_finite(_unscale(updates, inv_scale, params))
+        sums = _checked_square_sums(_float_leaves(_unscale(updates, inv_scale, params)))
+        finite = ~jnp.isnan(_tree.reduce_scalars(sums, jnp.sum)) if sums else jnp.array(True)
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
         def run(_):  # fused, the updates never leave the branch: no buffer for them
             grads = _unscale(updates, inv_scale, params)
-            return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
+            if not skip_nonfinite:  # the sums may hold NaN where a clip's own would say inf
+                return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
+            with _tree.square_sums_known(_float_leaves(grads), sums):
+                return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
 
         if skip_nonfinite:
 

@@ -24,16 +24,22 @@ def strict_dtypes():
         yield
 
 
-def _stack_widths(jaxpr):
-    """Operand counts of every ``stack``/``concatenate`` in ``jaxpr`` and its sub-jaxprs."""
+def _all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of its sub-jaxprs (cond branches, loops, jits)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("stack", "concatenate"):
-            yield len(eqn.invars)
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr holds its Jaxpr
                 if hasattr(sub, "eqns"):
-                    yield from _stack_widths(sub)
+                    yield from _all_eqns(sub)
+
+
+def _stack_widths(jaxpr):
+    """Operand counts of every ``stack``/``concatenate`` in ``jaxpr`` and its sub-jaxprs."""
+    for eqn in _all_eqns(jaxpr):
+        if eqn.primitive.name in ("stack", "concatenate"):
+            yield len(eqn.invars)
 
 
 @pytest.fixture
@@ -48,3 +54,25 @@ def widest_stack():
         return max(_stack_widths(jax.make_jaxpr(fn)(*args).jaxpr), default=0)
 
     return widest
+
+
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"}
+
+
+@pytest.fixture
+def array_reductions():
+    """``count(fn, *args, min_size=...)``: the reductions in ``fn`` that read an array.
+
+    Each is a pass over an array of at least ``min_size`` elements (a gradient
+    leaf, a moment); the few per-leaf scalars combined afterwards stay below it.
+    """
+
+    def count(fn, *args, min_size):
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+        return sum(
+            1
+            for eqn in _all_eqns(jaxpr)
+            if eqn.primitive.name in _REDUCTIONS and eqn.invars[0].aval.size >= min_size
+        )
+
+    return count

@@ -145,6 +145,39 @@ def test_clipping_after_unscaling_is_scale_independent():
         assert float(gradtools.metrics(state)["grad_norm"]) == pytest.approx(1.3, rel=1e-6)
 
 
+@pytest.mark.parametrize("before", [1.0, 3.0, None], ids=["clip_first", "scaled_first", "masked"])
+def test_clip_inside_a_loss_scaler_takes_the_norm_of_what_it_receives(before):
+    """Right inside the scaler the clip reuses the scaler's sums of squares; behind
+    ``optax.scale`` it sees other values, and inside ``optax.masked`` only some leaves."""
+    max_norm, loss_scale = 2.0, 2.0**10
+    tree = mixed_tree()
+    params = jax.tree.map(jnp.zeros_like, tree)
+    scaled = jax.tree.map(lambda x: (x.astype(jnp.float32) * loss_scale).astype(x.dtype), tree)
+    clip = gradtools.clip_by_global_norm(max_norm)
+    if before is None:
+        mask = jax.tree.map(lambda x: x.dtype != jnp.bfloat16, tree)
+        inner = optax.chain(optax.masked(clip, mask), optax.sgd(1.0))
+    else:
+        inner = optax.chain(optax.scale(before), clip, optax.sgd(1.0))
+    tx = gradtools.dynamic_loss_scale(inner, init_scale=loss_scale)
+    updates, state = jax.jit(tx.update)(scaled, tx.init(params), params)
+
+    arrays = ("f32", "bf16", "f16", "zero_size")
+    seen = {k: tree[k] for k in arrays if before is not None or k != "bf16"}
+    # optax.scale multiplies in each leaf's dtype (and rounds there)
+    seen = {k: np.asarray(x * (before or 1.0), np.float64) for k, x in seen.items()}
+    norm = np_norm(seen, 2)
+    assert norm > max_norm  # the clip acts, so a wrong norm shows in the updates
+    # rtol: XLA may keep optax.scale's bf16 product in float32 (excess precision)
+    np.testing.assert_allclose(gradtools.metrics(state)["grad_norm"], norm, rtol=1e-2)
+    want = jax.tree.map(lambda x: -np.asarray(x, np.float64) * (before or 1.0), tree)
+    for k, x in seen.items():
+        want[k] = -x * max_norm / norm
+    for k in arrays:
+        np.testing.assert_allclose(np.asarray(updates[k], np.float64), want[k], rtol=1e-2)
+        assert updates[k].dtype == tree[k].dtype
+
+
 def test_state_dtypes_metrics_and_one_trace():
     tx = gradtools.clip_by_global_norm(1.0)
     params = {"a": jnp.zeros(3, jnp.float16), "b": None}

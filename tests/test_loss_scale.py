@@ -1,5 +1,7 @@
 """Loss scaling against a plain-Python reference of the rule."""
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -353,6 +355,77 @@ def test_inner_must_be_a_transformation():
         gradtools.dynamic_loss_scale(optax.sgd)
     with pytest.raises(TypeError, match="inner"):
         gradtools.fixed_loss_scale(lambda g: g)
+
+
+def _np_clip(u, max_norm):
+    """optax's rule on float32 sums of squares: an overflowing norm is inf and clips nothing."""
+    squares = sum(float(np.sum(np.square(x, dtype=np.float64))) for x in u.values())
+    norm = math.inf if squares > float(np.finfo(np.float32).max) else math.sqrt(squares)
+    factor = max_norm / norm if math.isfinite(norm) and norm > max_norm else 1.0
+    clipped = {k: (x.astype(np.float32) * np.float32(factor)).astype(x.dtype) for k, x in u.items()}
+    return clipped, norm
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["sgd", "clip+sgd"])
+@pytest.mark.parametrize("value", [INF, -INF, float("nan"), 1e30, -3.0])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_skip_is_decided_on_the_unscaled_grads_as_numpy_does(dtype, value, clip):
+    """One element of one leaf set to ``value``: inf and NaN skip, big finite values do not.
+
+    1e30 is finite in float32 and bfloat16 but its square is not: the step is
+    applied, and a clip inside sees an inf norm and lets the updates through.
+    In float16 1e30 is inf already.
+    """
+    scale, max_norm = 4.0, 1.0
+    params = {"a": jnp.zeros(6, dtype), "b": jnp.zeros((2, 3), jnp.float32)}
+    grads = {"a": np.full(6, 2.0, np.float32), "b": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    grads["a"][4] = value
+    grads = {k: jnp.asarray(g).astype(params[k].dtype) for k, g in grads.items()}  # 1e30: fp16 inf
+    inner = optax.sgd(1.0)
+    if clip:
+        inner = optax.chain(gradtools.clip_by_global_norm(max_norm), inner)
+    tx = gradtools.dynamic_loss_scale(inner, init_scale=scale)
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+
+    u = {k: (np.asarray(g, np.float32) / scale).astype(params[k].dtype) for k, g in grads.items()}
+    finite = all(np.isfinite(x.astype(np.float32)).all() for x in u.values())
+    assert bool(state.finite) is finite
+    assert int(state.skipped_steps) == (not finite)
+    if not finite:
+        for leaf in jax.tree.leaves(updates):
+            np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+        return
+    if clip:
+        u, norm = _np_clip(u, max_norm)
+        got = float(gradtools.metrics(state)["grad_norm"])
+        assert got == pytest.approx(norm, rel=1e-6) if math.isfinite(norm) else got == norm
+    for k, x in u.items():
+        np.testing.assert_allclose(np.asarray(updates[k], np.float32), -x.astype(np.float32), 1e-6)
+        assert updates[k].dtype == params[k].dtype
+
+
+def test_loss_scaled_clip_reads_each_gradient_once(array_reductions):
+    """The scaler's finiteness pass also sums the squares that a clip right inside it needs.
+
+    Behind another transform the clip receives other arrays and reads them itself.
+    """
+    params = {
+        "w": jax.ShapeDtypeStruct((4096,), jnp.float32),
+        "v": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),
+    }
+
+    def reductions(*inner):
+        tx = gradtools.dynamic_loss_scale(optax.chain(*inner, optax.adam(1e-3)))
+        state = jax.eval_shape(tx.init, params)
+
+        def step(p, s, g):
+            return gradtools.apply_gradients(tx, g, s, p)
+
+        return array_reductions(step, params, state, params, min_size=1024)
+
+    assert reductions() == 2
+    assert reductions(gradtools.clip_by_global_norm(1.0)) == 2
+    assert reductions(optax.scale(0.5), gradtools.clip_by_global_norm(1.0)) == 4
 
 
 def test_all_finite():

@@ -322,9 +322,16 @@ def test_apply_gradients_equals_update_then_apply_updates(name):
 
 
 def _adds_outside_cond(fn, *args):
-    """Top-level ``add``s of parameter-sized arrays in ``fn``'s jaxpr (outside any cond)."""
+    """``add``s to an input array (params, a buffer) in ``fn``'s jaxpr, outside any cond."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [e for e in jaxpr.eqns if e.primitive.name == "add" and e.outvars[0].aval.size > 1]
+    inputs = {id(v) for v in jaxpr.invars}
+    return [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "add"
+        and e.outvars[0].aval.size > 1
+        and any(id(v) in inputs for v in e.invars)
+    ]
 
 
 def test_apply_gradients_applies_inside_the_loss_scalers_branch():
@@ -364,18 +371,24 @@ def test_apply_gradients_applies_inside_the_loss_scalers_branch():
     jax.default_backend() != "cpu" or jax.__version_info__ < (0, 10),
     reason="XLA:CPU's buffer assignment, as of jaxlib 0.10 (0.6 and 0.7 store a temporary)",
 )
-def test_loss_scaled_adam_through_apply_gradients_needs_no_temporary_buffer():
-    """Unscaling, the finiteness check and Adam all fuse: nothing parameter-sized is stored.
+@pytest.mark.parametrize("clip", [False, True], ids=["adam", "clip+adam"])
+def test_loss_scaled_adam_through_apply_gradients_needs_no_temporary_buffer(clip):
+    """Unscaling, the finiteness check, the clip and Adam all fuse: nothing parameter-sized
+    is stored.
 
     On XLA:CPU every temporary is mapped afresh and faulted in on each call, so
     one costs about as much as the arithmetic. (A finiteness check written as
-    ``isfinite(x).all()`` stores a bool per element: a quarter of the bytes.)
+    ``isfinite(x).all()`` stores a bool per element: a quarter of the bytes. A
+    clip that summed its squares inside the branch stored the unscaled gradients.)
     """
     params = {
         "w": jax.ShapeDtypeStruct((1 << 18,), jnp.float32),
         "v": jax.ShapeDtypeStruct((512, 512), jnp.float32),
     }
-    tx = gradtools.dynamic_loss_scale(optax.adam(1e-3))
+    inner = optax.adam(1e-3)
+    if clip:
+        inner = optax.chain(gradtools.clip_by_global_norm(1.0), inner)
+    tx = gradtools.dynamic_loss_scale(inner)
 
     def fused(p, s, g):
         return gradtools.apply_gradients(tx, g, s, p)
