@@ -18,6 +18,7 @@ The training loop needs two calls::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -177,9 +178,14 @@ def _loss_scaler(
 
         def run(_):  # fused, the updates never leave the branch: no buffer for them
             grads = _unscale(updates, inv_scale, params)
-            if not skip_nonfinite:  # the sums may hold NaN where a clip's own would say inf
-                return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
-            with _tree.square_sums_known(_float_leaves(grads), sums):
+            # Offered only where this branch runs on finite steps alone: otherwise a
+            # sum may be NaN where a clip's own norm would say inf.
+            known = (
+                _tree.square_sums_known(_float_leaves(grads), sums)
+                if skip_nonfinite
+                else contextlib.nullcontext()
+            )
+            with known:
                 return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
 
         if skip_nonfinite:
