@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks import report
 
-__all__ = ["Config", "main", "parse_configs", "parse_count", "run"]
+__all__ = ["Config", "is_partial", "main", "parse_configs", "parse_count", "run"]
 
 SECTIONS = ("update", "compile", "memory", "lenet")
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -73,6 +73,16 @@ QUICK = Config(
     lenet_reps=2,
     quick=True,
 )
+
+
+def is_partial(config: Config) -> bool:
+    """Whether a run leaves out sections or cases, so its report must not replace RESULTS.md."""
+    return (
+        set(config.sections) != set(SECTIONS)
+        or config.groups is not None
+        or config.match is not None
+        or config.compile_match != COMPILE_CASES
+    )
 
 
 def parse_count(text: str) -> int:
@@ -223,7 +233,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--memory-size", help="params for the memory section, e.g. 16M")
     p.add_argument("--lenet-batch", type=int, help="LeNet batch size")
     p.add_argument(
-        "--out", help=f"write the Markdown report here (default {RESULTS} unless --quick)"
+        "--out",
+        help=f"write the Markdown report here (default: {RESULTS}, but only for a run of every "
+        "section and every case without --quick; a partial run only prints it)",
     )
     p.add_argument("--json", help="also write every row as JSON here")
     p.add_argument(
@@ -279,10 +291,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = run(config, command=command)
     text = report.render(results)
     print(text)
-    out = args.out or (None if args.quick else str(RESULTS))
+    out = args.out or (None if config.quick or is_partial(config) else str(RESULTS))
     if out:
         Path(out).write_text(text)
         print(f"wrote {out}")
+    elif not config.quick:
+        print(f"a partial run: {RESULTS.name} not written (--out writes the report)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return results

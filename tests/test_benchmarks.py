@@ -3,6 +3,7 @@
 Structure only: no assertion here depends on a timing.
 """
 
+import dataclasses
 import json
 import math
 
@@ -131,6 +132,23 @@ def test_command_line_writes_the_report_and_json(tmp_path):
     assert out.read_text().startswith("# Benchmark results")
     rows = json.loads(data.read_text())["memory"]
     assert [r["case"] for r in rows] == ["gradtools.accumulate(adam) micro-step"]
+
+
+def test_a_partial_run_prints_its_report_but_leaves_results_md_alone(tmp_path, monkeypatch, capsys):
+    results_md = tmp_path / "RESULTS.md"
+    monkeypatch.setattr(cli, "RESULTS", results_md)
+    cli.main(["--sections", "memory", "--memory-size", "1K", "--match", "^gradtools.accumulate"])
+    assert not results_md.exists()
+    assert "## Memory" in capsys.readouterr().out
+
+
+def test_only_a_run_of_every_section_and_case_is_whole():
+    full = cli.Config(configs=((1 << 20, 8, None), (1 << 26, 1000, ("accumulate",))),
+                      compile_leaves=(8, 1000), compile_budget_s=200.0)  # fmt: skip
+    assert not cli.is_partial(full)
+    for change in ({"sections": ("update", "memory")}, {"groups": ("clip",)},
+                   {"match": "adam"}, {"compile_match": "."}):  # fmt: skip
+        assert cli.is_partial(dataclasses.replace(full, **change)), change
 
 
 def test_cases_and_shapes():
