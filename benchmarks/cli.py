@@ -75,14 +75,27 @@ QUICK = Config(
 )
 
 
-def is_partial(config: Config) -> bool:
-    """Whether a run leaves out sections or cases, so its report must not replace RESULTS.md."""
+def is_partial(config: dict[str, Any]) -> bool:
+    """Whether a run (its ``Config`` as a dict, as saved in ``meta``) leaves out sections or cases.
+
+    Such a run's report must not replace RESULTS.md, which records one whole run.
+    """
     return (
-        set(config.sections) != set(SECTIONS)
-        or config.groups is not None
-        or config.match is not None
-        or config.compile_match != COMPILE_CASES
+        set(config["sections"]) != set(SECTIONS)
+        or config["groups"] is not None
+        or config["match"] is not None
+        or config["compile_match"] != COMPILE_CASES
     )
+
+
+def _write_report(text: str, out: str | None, config: dict[str, Any]) -> None:
+    """To ``--out`` if given, else to RESULTS.md for a whole run, not at all for a partial one."""
+    path = out or (None if config["quick"] or is_partial(config) else str(RESULTS))
+    if path:
+        Path(path).write_text(text)
+        print(f"wrote {path}")
+    elif not config["quick"]:
+        print(f"a partial run: {RESULTS.name} not written (--out writes the report)")
 
 
 def parse_count(text: str) -> int:
@@ -247,10 +260,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
-        text = report.render(results)
-        out = args.out or str(RESULTS)
-        Path(out).write_text(text)
-        print(f"wrote {out}")
+        _write_report(report.render(results), args.out, results["meta"]["config"])
         return results
 
     base = QUICK if args.quick else Config()
@@ -291,12 +301,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = run(config, command=command)
     text = report.render(results)
     print(text)
-    out = args.out or (None if config.quick or is_partial(config) else str(RESULTS))
-    if out:
-        Path(out).write_text(text)
-        print(f"wrote {out}")
-    elif not config.quick:
-        print(f"a partial run: {RESULTS.name} not written (--out writes the report)")
+    _write_report(text, args.out, results["meta"]["config"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return results

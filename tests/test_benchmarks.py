@@ -140,15 +140,20 @@ def test_a_partial_run_prints_its_report_but_leaves_results_md_alone(tmp_path, m
     cli.main(["--sections", "memory", "--memory-size", "1K", "--match", "^gradtools.accumulate"])
     assert not results_md.exists()
     assert "## Memory" in capsys.readouterr().out
+    saved = tmp_path / "partial.json"
+    cli.main(["--sections", "memory", "--memory-size", "1K", "--match", "^gradtools.accumulate",
+              "--json", str(saved)])  # fmt: skip
+    cli.main(["--from-json", str(saved)])  # re-rendering a partial run does not write it either
+    assert not results_md.exists()
 
 
 def test_only_a_run_of_every_section_and_case_is_whole():
     full = cli.Config(configs=((1 << 20, 8, None), (1 << 26, 1000, ("accumulate",))),
                       compile_leaves=(8, 1000), compile_budget_s=200.0)  # fmt: skip
-    assert not cli.is_partial(full)
+    assert not cli.is_partial(dataclasses.asdict(full))
     for change in ({"sections": ("update", "memory")}, {"groups": ("clip",)},
                    {"match": "adam"}, {"compile_match": "."}):  # fmt: skip
-        assert cli.is_partial(dataclasses.replace(full, **change)), change
+        assert cli.is_partial(dataclasses.asdict(dataclasses.replace(full, **change))), change
 
 
 def test_cases_and_shapes():
