@@ -103,26 +103,39 @@ def _emit_or_hold(
     skip the rounding in between, which would make the stale buffer differ
     between jitted and op-by-op runs.
     """
-    shapes = jax.eval_shape(emit, acc)[0]
-    acc_leaves, acc_def = jax.tree.flatten(acc)
-    u_leaves, u_def = jax.tree.flatten(shapes)
-    stash = [False] * len(u_leaves)
-    if u_def == acc_def:
-        stash = [u.shape == a.shape and u.dtype == dtype for u, a in zip(u_leaves, acc_leaves)]
-    own = [u for u, ok in zip(u_leaves, stash) if not ok]
+    emit, shapes = _apply.recorded(emit)
+    acc_def = jax.tree.structure(acc)
+    plans: list[tuple[Any, list[Any], list[bool]]] = []
+
+    def plan(acc):
+        """The updates' ``(treedef, leaf shapes, stash)``; ``stash``: leaves kept in the buffer."""
+        if not plans:
+            u_leaves, u_def = jax.tree.flatten(shapes(acc))
+            stash = [False] * len(u_leaves)
+            if u_def == acc_def:
+                stash = [
+                    u.shape == a.shape and u.dtype == dtype
+                    for u, a in zip(u_leaves, jax.tree.leaves(acc))
+                ]
+            plans.append((u_def, u_leaves, stash))
+        return plans[0]
 
     def emit_branch(acc):
         updates, new_inner = emit(acc)
+        u_def, _, stash = plan(acc)
         done, buffers = u_def.flatten_up_to(updates), jax.tree.leaves(acc)
         if any(stash):
             buffers = [u.astype(dtype) if ok else b for u, b, ok in zip(done, buffers, stash)]
         return buffers, [u for u, ok in zip(done, stash) if not ok], new_inner
 
     def hold_branch(acc):
+        _, u_leaves, stash = plan(acc)
+        own = [u for u, ok in zip(u_leaves, stash) if not ok]
         return jax.tree.leaves(acc), _tree.zeros_like_shapes(own), inner_state
 
     # hold is branch 0: XLA then forwards the buffer and inner state without copies.
     buffers, extra, inner_state = lax.cond(emitting, emit_branch, hold_branch, acc)
+    u_def, u_leaves, stash = plan(acc)
     out = list(extra)
     if any(stash):
         rest = iter(extra)
@@ -286,11 +299,8 @@ def accumulate(
             if take is None:
                 new_updates, inner_state = apply(updates)
             else:
-
-                def skip(grads):
-                    return _apply.no_step(fused, params, apply, grads), state.inner_state
-
-                new_updates, inner_state = lax.cond(take, apply, skip, updates)
+                branches = _apply.step_or_skip(apply, fused, params, state.inner_state)
+                new_updates, inner_state = lax.cond(take, *branches, updates)
             return new_updates, state._replace(dropped_micro_steps=dropped, inner_state=inner_state)
 
         # A window that is not open (micro_step == 0) may still hold the sum of the

@@ -189,11 +189,8 @@ def _loss_scaler(
                 return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
 
         if skip_nonfinite:
-
-            def skip(_):
-                return _apply.no_step(fused, params, run, None), state.inner_state
-
-            out, inner_state = lax.cond(finite, run, skip, None)
+            branches = _apply.step_or_skip(run, fused, params, state.inner_state)
+            out, inner_state = lax.cond(finite, *branches, None)
         else:
             out, inner_state = run(None)
 

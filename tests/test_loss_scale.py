@@ -257,6 +257,58 @@ def test_no_recompilation_on_second_step():
     assert int(state.skipped_steps) == 1
 
 
+def counting_sgd(calls):
+    """SGD(0.5) that records every trace of its update in ``calls``."""
+
+    def update(g, state, params=None):
+        calls.append(1)
+        return jax.tree.map(lambda x: -0.5 * x, g), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        gradtools.dynamic_loss_scale,
+        gradtools.fixed_loss_scale,
+        lambda inner: gradtools.accumulate(inner, 1, on_nonfinite="skip_microstep"),
+        lambda inner: gradtools.accumulate(inner, 2, on_nonfinite="skip_microstep"),
+    ],
+    ids=["dynamic", "fixed", "accumulate_k1", "accumulate_k2"],
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_inner_optimizer_is_traced_once_per_step(wrap, fused):
+    """The branch that runs no optimizer takes its zeros' shapes from the one trace of it."""
+    calls = []
+    tx = wrap(counting_sgd(calls))
+    params = {"w": jnp.ones(3), "h": jnp.ones(2, jnp.bfloat16)}
+    state = tx.init(params)
+    if fused:
+        step = jax.jit(lambda g, s: gradtools.apply_gradients(tx, g, s, params))
+    else:
+        step = jax.jit(lambda g, s: tx.update(g, s, params))
+    out, _ = step(jax.tree.map(lambda p: jnp.full(p.shape, jnp.inf, p.dtype), params), state)
+    assert len(calls) == 1
+    want = params if fused else jax.tree.map(jnp.zeros_like, params)
+    chex.assert_trees_all_equal(out, want, strict=True)
+
+
+def test_skipped_step_op_by_op_gives_what_jit_gives():
+    """Under ``jax.disable_jit`` only the skip branch runs; its zeros still match."""
+    tx = gradtools.dynamic_loss_scale(optax.adam(0.1), init_scale=4.0)
+    params = {"w": jnp.ones(3), "h": jnp.ones(2, jnp.bfloat16), "n": None}
+    state = tx.init(params)
+    grads = {"w": jnp.array([1.0, INF, 2.0]), "h": jnp.ones(2, jnp.bfloat16), "n": None}
+    want = jax.jit(tx.update)(grads, state, params)
+    with jax.disable_jit():
+        got = tx.update(grads, state, params)
+    chex.assert_trees_all_equal(got, want, strict=True)
+    chex.assert_trees_all_equal(
+        got[0], {"w": jnp.zeros(3), "h": jnp.zeros(2, jnp.bfloat16), "n": None}
+    )
+
+
 def test_inside_chain_and_inject_hyperparams():
     inner = optax.inject_hyperparams(gradtools.dynamic_loss_scale)(
         optax.sgd(1.0), init_scale=8.0, growth_interval=2, backoff_factor=0.5
