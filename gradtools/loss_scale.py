@@ -13,7 +13,12 @@ The training loop needs two calls::
     grads = jax.grad(lambda p: gradtools.scale_loss(loss_fn(p, batch), opt_state))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
 
-``gradtools.train_step`` does both for you.
+``gradtools.train_step`` does both for you. Where you write the loop
+yourself, ``params, opt_state = gradtools.apply_gradients(tx, grads,
+opt_state, params)`` gives what ``tx.update`` followed by
+``optax.apply_updates`` gives, but applies the updates inside the branch
+that computes them, so XLA stores no parameter-sized buffer for them (about
+half the time of the two calls on CPU, ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
