@@ -75,7 +75,7 @@ def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[...
     second time under ``jax.eval_shape`` was a third of a loss-scaled Adam's
     tracing time at 200 leaves. Where ``run`` has not been traced (a concrete
     predicate under ``jax.disable_jit`` runs one branch only), ``shapes`` falls
-    back to ``jax.eval_shape``.
+    back to ``jax.eval_shape``, once.
     """
     seen: list[Any] = []
 
@@ -87,7 +87,9 @@ def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[...
         return out
 
     def shapes(*args: Any) -> Any:
-        return seen[-1] if seen else jax.eval_shape(step, *args)[0]
+        if not seen:
+            seen.append(jax.eval_shape(step, *args)[0])
+        return seen[-1]
 
     return run, shapes
 

@@ -107,38 +107,32 @@ def _emit_or_hold(
     between jitted and op-by-op runs.
     """
     emit, shapes = _apply.recorded(emit)
-    acc_def = jax.tree.structure(acc)
-    plans: list[tuple[Any, list[Any], list[bool]]] = []
+    acc_leaves, acc_def = jax.tree.flatten(acc)
 
-    def plan(acc):
-        """The updates' ``(treedef, leaf shapes, stash)``; ``stash``: leaves kept in the buffer."""
-        if not plans:
-            u_leaves, u_def = jax.tree.flatten(shapes(acc))
-            stash = [False] * len(u_leaves)
-            if u_def == acc_def:
-                stash = [
-                    u.shape == a.shape and u.dtype == dtype
-                    for u, a in zip(u_leaves, jax.tree.leaves(acc))
-                ]
-            plans.append((u_def, u_leaves, stash))
-        return plans[0]
+    def plan():
+        """The updates' treedef and leaf shapes, and ``stash``: the leaves kept in the buffer."""
+        u_leaves, u_def = jax.tree.flatten(shapes(acc))
+        stash = [False] * len(u_leaves)
+        if u_def == acc_def:
+            stash = [u.shape == a.shape and u.dtype == dtype for u, a in zip(u_leaves, acc_leaves)]
+        return u_def, u_leaves, stash
 
     def emit_branch(acc):
         updates, new_inner = emit(acc)
-        u_def, _, stash = plan(acc)
+        u_def, _, stash = plan()
         done, buffers = u_def.flatten_up_to(updates), jax.tree.leaves(acc)
         if any(stash):
             buffers = [u.astype(dtype) if ok else b for u, b, ok in zip(done, buffers, stash)]
         return buffers, [u for u, ok in zip(done, stash) if not ok], new_inner
 
     def hold_branch(acc):
-        _, u_leaves, stash = plan(acc)
+        _, u_leaves, stash = plan()
         own = [u for u, ok in zip(u_leaves, stash) if not ok]
         return jax.tree.leaves(acc), _tree.zeros_like_shapes(own), inner_state
 
     # hold is branch 0: XLA then forwards the buffer and inner state without copies.
     buffers, extra, inner_state = lax.cond(emitting, emit_branch, hold_branch, acc)
-    u_def, u_leaves, stash = plan(acc)
+    u_def, u_leaves, stash = plan()
     out = list(extra)
     if any(stash):
         rest = iter(extra)
