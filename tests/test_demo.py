@@ -9,7 +9,6 @@ through :func:`train_and_evaluate`, once on four devices through the CLI.
 
 import contextlib
 import dataclasses
-import functools
 import gzip
 import io
 import os
@@ -30,10 +29,10 @@ from gradtools.demo import LeNet5
 from gradtools.demo import data
 from gradtools.demo import train_and_evaluate
 from gradtools.demo.__main__ import main
+from gradtools.demo.model import ConvReluPool
 from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
 from gradtools.demo.model import init_key
-from gradtools.demo.model import max_pool_2x2
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
 SETTING = dict(
@@ -121,23 +120,90 @@ def test_lenet5_computes_in_its_dtype_and_returns_float32_logits(dtype):
     assert {e.outvars[0].aval.dtype for e in convs + dots} == {jnp.dtype(dtype)}
 
 
-def test_max_pool_2x2_matches_flax_max_pool_values_and_gradients():
-    # Continuous random values have no ties, where the two gradients agree exactly.
-    x = jax.random.normal(jax.random.key(1), (3, 28, 28, 6))
-    cotangent = jax.random.normal(jax.random.key(2), (3, 14, 14, 6))
-    flax_pool = functools.partial(nn.max_pool, window_shape=(2, 2), strides=(2, 2))
+class _FlaxConvReluPool(nn.Module):
+    """The reference: flax's own convolution, ReLU and max pooling."""
 
-    def pooled_dot(pool):
-        return jax.jit(jax.value_and_grad(lambda x: jnp.vdot(pool(x), cotangent)))
+    features: int
+    kernel_size: int = 5
 
-    (ours, ours_grad), (ref, ref_grad) = pooled_dot(max_pool_2x2)(x), pooled_dot(flax_pool)(x)
-    np.testing.assert_allclose(ours, ref, rtol=1e-6)
-    np.testing.assert_array_equal(max_pool_2x2(x), flax_pool(x))
-    np.testing.assert_array_equal(ours_grad, ref_grad)
-    # A window with two equal maxima splits the gradient between them.
+    @nn.compact
+    def __call__(self, x):
+        k = self.kernel_size
+        x = nn.Conv(self.features, (k, k), padding="VALID", name="conv")(x)
+        return nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+
+
+@pytest.mark.parametrize(
+    "kernel_size, shape, features",
+    [(5, (3, 32, 32, 1), 6), (5, (3, 14, 14, 6), 16), (3, (2, 10, 12, 3), 4), (1, (2, 4, 6, 2), 3)],
+)
+def test_conv_relu_pool_matches_flax_conv_relu_max_pool(kernel_size, shape, features):
+    # LeNet-5's two layers, and other kernel sizes and non-square inputs. Continuous
+    # random values have no ties in a pooling window, where the gradients agree.
+    x = jax.random.normal(jax.random.key(1), shape)
+    ref = _FlaxConvReluPool(features, kernel_size)
+    ours = ConvReluPool(features, kernel_size)
+    params = ref.init(jax.random.key(0), x)["params"]["conv"]
+    params = {**params, "bias": jax.random.normal(jax.random.key(2), (features,))}
+    ours_shapes = jax.eval_shape(ours.init, jax.random.key(0), x)["params"]
+    assert jax.tree.map(jnp.shape, ours_shapes) == jax.tree.map(jnp.shape, params)
+
+    def value_and_grads(apply, variables):
+        cotangent = jax.random.normal(jax.random.key(3), apply(variables, x).shape)
+        loss = lambda v, x: jnp.vdot(apply(v, x), cotangent)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(variables, x), apply(variables, x)
+
+    (r, (r_params, r_x)), r_out = value_and_grads(ref.apply, {"params": {"conv": params}})
+    (o, (o_params, o_x)), o_out = value_and_grads(ours.apply, {"params": params})
+    np.testing.assert_allclose(o_out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(o, r, rtol=1e-5)
+    for name in ("kernel", "bias"):
+        np.testing.assert_allclose(
+            o_params["params"][name], r_params["params"]["conv"][name], rtol=1e-4, atol=1e-4
+        )
+    np.testing.assert_allclose(o_x, r_x, rtol=1e-4, atol=1e-5)
+
+
+def test_conv_relu_pool_splits_the_gradient_between_equal_maxima():
+    # A 1x1 kernel of 1 and no bias: the output is max(relu(window)).
+    layer = ConvReluPool(1, kernel_size=1)
+    params = {"kernel": jnp.ones((1, 1, 1, 1)), "bias": jnp.zeros((1,))}
     tie = jnp.array([[2.0, 2.0], [0.0, -1.0]]).reshape(1, 2, 2, 1)
-    grad = jax.grad(lambda x: max_pool_2x2(x).sum())(tie)
+    out, grad = jax.value_and_grad(lambda x: layer.apply({"params": params}, x).sum())(tie)
+    assert out == 2.0
     np.testing.assert_array_equal(grad.ravel(), [0.5, 0.5, 0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "kernel_size, shape, match",
+    [
+        (4, (1, 8, 8, 1), "kernel_size must be odd and positive, got 4"),
+        (0, (1, 8, 8, 1), "kernel_size must be odd and positive, got 0"),
+        (5, (1, 9, 8, 1), r"even and at least kernel_size=5, got \(9, 8\)"),
+        (5, (1, 4, 4, 1), r"even and at least kernel_size=5, got \(4, 4\)"),
+    ],
+)
+def test_conv_relu_pool_rejects_what_it_cannot_compute(kernel_size, shape, match):
+    with pytest.raises(ValueError, match=match):
+        ConvReluPool(2, kernel_size).init(jax.random.key(0), jnp.zeros(shape))
+
+
+def test_lenet5_initialises_and_computes_as_with_flax_conv_and_max_pool():
+    class FlaxLeNet5(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for name, features in (("conv1", 6), ("conv2", 16)):
+                x = nn.Conv(features, (5, 5), padding="VALID", name=name)(x)
+                x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = x.reshape(x.shape[0], -1)
+            x = nn.relu(nn.Dense(120, name="fc1")(x))
+            x = nn.relu(nn.Dense(84, name="fc2")(x))
+            return nn.Dense(10, name="fc3")(x)
+
+    x = jax.random.normal(jax.random.key(4), (4, 32, 32, 1))
+    ours, ref = LeNet5().init(init_key(0), x[:1]), FlaxLeNet5().init(init_key(0), x[:1])
+    _assert_trees_equal(ours, ref)
+    np.testing.assert_allclose(LeNet5().apply(ours, x), FlaxLeNet5().apply(ref, x), atol=1e-5)
 
 
 def test_compiler_options_compile_lenet5_to_the_same_logits():
