@@ -47,7 +47,7 @@ class Config:
     reps: int = 7
     sample_s: float = 0.05
     compile_leaves: tuple[int, ...] = (8, 100, 200, 1000)
-    compile_reps: int = 1
+    compile_reps: int = 3
     compile_match: str | None = COMPILE_CASES
     compile_params: int = 1 << 20
     select_max_leaves: int = 200
