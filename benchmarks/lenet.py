@@ -1,6 +1,7 @@
 """LeNet-5 training throughput: gradtools train steps against PyTorch eager.
 
-The JAX side is the demo's model (``gradtools.demo.model.LeNet5``) trained by
+The JAX side is the demo's model (``gradtools.demo.model.LeNet5``, whose
+convolutions, ReLUs and poolings run as ``ConvReluPool`` layers) trained by
 ``gradtools.train_step`` under ``jax.jit`` with params and state donated and
 the demo's ``compiler_options()`` (one row compiles with XLA's defaults); the
 PyTorch side is the same network (same layers, 61,706 parameters) trained
