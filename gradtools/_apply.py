@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from gradtools import _tree
@@ -66,32 +65,32 @@ def inner_step(
 
 
 def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``step``, and a function giving the shapes of ``step(*args)[0]`` without tracing it again.
+    """``step``, and a function giving the types of ``step(*args)`` without tracing it again.
 
     A ``lax.cond`` branch that runs no optimizer must return arrays shaped like
     the optimizer's updates. ``lax.cond`` traces its true branch first; put
-    the returned ``run`` there and it records the shapes as it is traced, so
-    ``shapes(*args)`` in the other branch costs nothing. Tracing the optimizer a
-    second time under ``jax.eval_shape`` was a third of a loss-scaled Adam's
-    tracing time at 200 leaves. Where ``run`` has not been traced (a concrete
-    predicate under ``jax.disable_jit`` runs one branch only), ``shapes`` falls
-    back to ``jax.eval_shape``, once.
+    the returned ``run`` there and it records the types of its outputs as it
+    is traced, so ``types(*args)`` in the other branch costs nothing. Tracing
+    the optimizer a second time under ``jax.eval_shape`` was a third of a
+    loss-scaled Adam's tracing time at 200 leaves. Where ``run`` has not been
+    traced (a concrete predicate under ``jax.disable_jit`` runs one branch
+    only), ``types`` falls back to ``jax.eval_shape``, once. The types carry
+    the mesh axes each output varies over inside ``jax.shard_map``, which the
+    other branch must match (:func:`gradtools._tree.vary_like`).
     """
     seen: list[Any] = []
 
     def run(*args: Any) -> Any:
         out = step(*args)
-        seen.append(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out[0])
-        )
+        seen.append(jax.tree.map(jax.typeof, out))
         return out
 
-    def shapes(*args: Any) -> Any:
+    def types(*args: Any) -> Any:
         if not seen:
-            seen.append(jax.eval_shape(step, *args)[0])
+            seen.append(jax.eval_shape(step, *args))
         return seen[-1]
 
-    return run, shapes
+    return run, types
 
 
 def step_or_skip(
@@ -102,13 +101,14 @@ def step_or_skip(
     ``run`` is ``step``, which returns ``(updates, new_state)`` (fused,
     ``(new_params, new_state)``). ``skip`` runs no optimizer: it returns
     ``(params, state)`` when fused, else zero updates shaped like ``step``'s
-    (:func:`recorded`) and ``state``.
+    (:func:`recorded`) and ``state``, each varying over the mesh axes of
+    ``step``'s output.
     """
-    run, shapes = recorded(step)
+    run, types = recorded(step)
 
     def skip(*args: Any) -> Any:
-        if fused:
-            return params, state
-        return _tree.zeros_like_shapes(shapes(*args)), state
+        like = types(*args)
+        out = (params, state) if fused else (_tree.zeros_like_shapes(like[0]), state)
+        return _tree.vary_like(out, like)
 
     return run, skip

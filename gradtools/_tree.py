@@ -18,6 +18,7 @@ __all__ = [
     "scale_f32",
     "square_sum",
     "square_sums_known",
+    "vary_like",
     "zeros_like_shapes",
 ]
 
@@ -56,6 +57,44 @@ def zeros_like_shapes(shapes: Any) -> Any:
     growth faster than linear in the number of leaves.
     """
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def vary_like(tree: Any, types: Any) -> Any:
+    """``tree``, each leaf marked as varying over the mesh axes its match in ``types`` varies over.
+
+    Inside ``jax.shard_map`` (with its default ``check_vma=True``) the branches
+    of a ``lax.cond`` must agree on the mesh axes each output varies over. An
+    optimizer step on gradients that differ between devices returns updates
+    and state that vary; the branch that skips it returns zeros, or the state
+    it was given, which may not. Marking them is free: no data moves. Outside
+    ``shard_map`` nothing varies and ``tree`` comes back as it is.
+
+    Args:
+      tree: the outputs of the branch that runs no optimizer.
+      types: the types of the other branch's outputs (``jax.typeof`` of each
+        leaf, as :func:`gradtools._apply.recorded` keeps them), same structure.
+
+    Returns:
+      ``tree`` with the missing axes marked.
+    """
+
+    def one(x: Any, like: Any) -> Any:
+        missing = tuple(_varying(like) - _varying(jax.typeof(x)))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):  # pvary before jax 0.8.2
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
+
+    return jax.tree.map(one, tree, types)
+
+
+def _varying(aval: Any) -> frozenset[Any]:
+    """The mesh axes an abstract value varies over inside ``jax.shard_map``."""
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", None) or ())  # older jax
 
 
 def distinct_scalars(value: jax.Array, leaves: list[jax.Array]) -> list[jax.Array]:

@@ -106,18 +106,18 @@ def _emit_or_hold(
     skip the rounding in between, which would make the stale buffer differ
     between jitted and op-by-op runs.
     """
-    emit, shapes = _apply.recorded(emit)
+    emit, types = _apply.recorded(emit)
     acc_leaves, acc_def = jax.tree.flatten(acc)
 
     def plan():
         """The updates' treedef and leaf shapes, and ``stash``: the leaves kept in the buffer."""
-        u_leaves, u_def = jax.tree.flatten(shapes(acc))
+        u_leaves, u_def = jax.tree.flatten(types(acc)[0])
         stash = [False] * len(u_leaves)
         if u_def == acc_def:
             stash = [u.shape == a.shape and u.dtype == dtype for u, a in zip(u_leaves, acc_leaves)]
         return u_def, u_leaves, stash
 
-    def emit_branch(acc):
+    def emit_branch(acc):  # recorded below: the hold branch matches its mesh axes
         updates, new_inner = emit(acc)
         u_def, _, stash = plan()
         done, buffers = u_def.flatten_up_to(updates), jax.tree.leaves(acc)
@@ -125,10 +125,13 @@ def _emit_or_hold(
             buffers = [u.astype(dtype) if ok else b for u, b, ok in zip(done, buffers, stash)]
         return buffers, [u for u, ok in zip(done, stash) if not ok], new_inner
 
+    emit_branch, branch_types = _apply.recorded(emit_branch)
+
     def hold_branch(acc):
         _, u_leaves, stash = plan()
         own = [u for u, ok in zip(u_leaves, stash) if not ok]
-        return jax.tree.leaves(acc), _tree.zeros_like_shapes(own), inner_state
+        out = jax.tree.leaves(acc), _tree.zeros_like_shapes(own), inner_state
+        return _tree.vary_like(out, branch_types(acc))
 
     # hold is branch 0: XLA then forwards the buffer and inner state without copies.
     buffers, extra, inner_state = lax.cond(emitting, emit_branch, hold_branch, acc)
@@ -335,8 +338,11 @@ def accumulate(
                 new_params, new_inner = emit(acc)
                 return new_params, acc, new_inner
 
+            emit_and_apply, emitted_types = _apply.recorded(emit_and_apply)
+
             def hold(acc):
-                return params, acc, state.inner_state
+                out = params, acc, state.inner_state
+                return _tree.vary_like(out, emitted_types(acc))
 
             new_updates, acc_grads, inner_state = lax.cond(
                 emitting, emit_and_apply, hold, acc_grads

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -368,3 +369,38 @@ def test_sharded_params_keep_their_layout_and_values(row_id):
     for tree in (got, *updates):
         for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("row_id", IDS)
+def test_runs_inside_shard_map_on_per_device_values(row_id, fused):
+    """Four devices each train a copy inside ``jax.shard_map`` (``check_vma`` on).
+
+    The params and gradients are per-device values (they vary over the mesh
+    axis) and the initial state is shared: the outputs of every ``lax.cond``
+    must vary alike in both branches, and each device must get the
+    reference run.
+    """
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    tx = build(row_id)
+    params, grads = params_and_grads()
+    init = tx.init(params)
+
+    def step(params, state, grads):
+        if fused:
+            new_params, state = gradtools.apply_gradients(tx, grads, state, params)
+            return new_params, state, jax.tree.map(jnp.subtract, new_params, params)
+        return step_fn(tx)(params, state, grads)
+
+    def per_device(params, grads):
+        params, grads = jax.tree.map(lambda x: x[0], (params, grads))
+        got, _, state, _ = run(step, tx, params, grads, init)
+        return jax.tree.map(lambda x: x[None], (got, state))
+
+    copies = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * 4), tree)  # noqa: E731
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    stacked = f(copies(params), copies(grads))
+    (want, _, want_state, _), _ = reference(row_id)
+    for device in range(4):
+        got = jax.tree.map(functools.partial(lambda i, x: x[i], device), stacked)
+        assert_same(got, (want, want_state), exact=False)

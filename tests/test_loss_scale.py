@@ -510,11 +510,7 @@ def test_axis_name_makes_every_device_skip(axis_name):
         updates, state = tx.update(g[0], state, params)
         return updates[None], state.loss_scale[None], state.skipped_steps[None]
 
-    f = jax.jit(
-        jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"), check_vma=False
-        )
-    )
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d")))
     updates, scales, skipped = f(grads, state)
     if axis_name is None:  # the failure mode axis_name exists for: replicas diverge
         assert list(skipped) == [0, 0, 1, 0]
