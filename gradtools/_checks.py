@@ -26,6 +26,7 @@ __all__ = [
     "finite_positive",
     "float_dtype",
     "floating",
+    "greater_than_one",
     "hashable",
     "in_open_interval",
     "is_bool",
@@ -54,10 +55,16 @@ def static(name: str, value: Any, why: str) -> None:
         )
 
 
+#: The largest step count: steps and counters are int32.
+MAX_INT32 = 2**31 - 1
+
+
 def _real(name: str, value: Any) -> float:
     if isinstance(value, (str, bytes)):  # float('1e-3') would accept them
         raise ValueError(f"{name}={value!r} must be a real number, not a string")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, (bool, np.bool_)):  # float(True) would accept them
+        raise ValueError(f"{name}={value!r} must be a real number, not a bool")
+    if not isinstance(value, numbers.Real):
         try:
             value = float(value)  # numpy and jax scalars
         except (TypeError, ValueError):
@@ -65,35 +72,58 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
+def _real32(name: str, value: Any) -> float:
+    """``value`` as the float32 it is computed in (hyperparameters live in float32)."""
+    v = _real(name, value)
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(v)) if math.isfinite(v) else v
+
+
+def _in_float32(value: Any, v32: float) -> str:
+    """`` (float32 rounds it to ...)`` where rounding to float32 changed ``value``."""
+    return "" if v32 == float(value) else f" (float32 rounds it to {v32})"
+
+
 def finite_positive(name: str, value: Any) -> None:
-    """Checks ``0 < value < inf``."""
+    """Checks ``0 < value < inf``, in float32."""
     if traced(value):
         return
-    v = _real(name, value)
+    v = _real32(name, value)
     if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        raise ValueError(f"{name}={value!r} must be a finite number > 0{_in_float32(value, v)}")
 
 
 def finite_non_negative(name: str, value: Any) -> None:
-    """Checks ``0 <= value < inf``."""
+    """Checks ``0 <= value < inf``, in float32."""
     if traced(value):
         return
-    v = _real(name, value)
+    v = _real32(name, value)
     if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0{_in_float32(value, v)}")
 
 
 def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
-    """Checks ``low < value < high``."""
+    """Checks ``low < value < high``, in float32."""
     if traced(value):
         return
-    v = _real(name, value)
+    v = _real32(name, value)
     if not low < v < high:
-        raise ValueError(f"{name}={value!r} must lie strictly between {low} and {high}")
+        raise ValueError(
+            f"{name}={value!r} must lie strictly between {low} and {high}{_in_float32(value, v)}"
+        )
+
+
+def greater_than_one(name: str, value: Any) -> None:
+    """Checks ``1 < value < inf``, in float32."""
+    if traced(value):
+        return
+    v = _real32(name, value)
+    if not (math.isfinite(v) and v > 1):
+        raise ValueError(f"{name}={value!r} must be a finite number > 1{_in_float32(value, v)}")
 
 
 def positive_int(name: str, value: Any) -> None:
-    """Checks that ``value`` is an integer >= 1 (not a bool, not a float)."""
+    """Checks that ``value`` is an integer from 1 to 2**31 - 1 (not a bool, not a float)."""
     if traced(value):
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -101,6 +131,8 @@ def positive_int(name: str, value: Any) -> None:
             raise ValueError(f"{name}={value!r} must be a positive int")
     if int(value) < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
+    if int(value) > MAX_INT32:
+        raise ValueError(f"{name}={value!r} must be at most 2**31 - 1: steps are counted in int32")
 
 
 def is_bool(name: str, value: Any) -> None:

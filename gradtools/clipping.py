@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -50,7 +51,7 @@ def _norm_type(norm_type: Any) -> Any:
     if _checks.traced(norm_type):
         return norm_type
     message = f"{norm_type=} must be a number >= 1 or float('inf')"
-    if isinstance(norm_type, bool):
+    if isinstance(norm_type, (bool, np.bool_, str, bytes)):  # float() would take them
         raise ValueError(message)
     try:
         p = float(norm_type)

@@ -294,7 +294,7 @@ def dynamic_loss_scale(
     """
     _checks.is_transform("inner", inner)
     _checks.finite_positive("init_scale", init_scale)
-    _checks.finite_positive("growth_factor", growth_factor)
+    _checks.greater_than_one("growth_factor", growth_factor)
     _checks.finite_positive("min_scale", min_scale)
     _checks.finite_positive("max_scale", max_scale)
     _checks.in_open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
@@ -302,8 +302,6 @@ def dynamic_loss_scale(
     _checks.hashable("axis_name", axis_name)
     concrete = not any(_checks.traced(v) for v in (init_scale, growth_factor, min_scale, max_scale))
     if concrete:
-        if float(growth_factor) <= 1:
-            raise ValueError(f"{growth_factor=} must be > 1")
         if float(min_scale) > float(init_scale):
             raise ValueError(f"{min_scale=} must be <= {init_scale=}")
         if float(max_scale) < float(init_scale):

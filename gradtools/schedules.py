@@ -572,9 +572,10 @@ def from_list(values: Sequence[float]) -> optax.Schedule:
         raise ValueError(f"values={values!r} must be a non-empty 1-D sequence of numbers") from None
     if table.ndim != 1 or table.size == 0:
         raise ValueError(f"values={values!r} must be a non-empty 1-D sequence")
+    with np.errstate(over="ignore"):
+        table = table.astype(np.float32)  # the values' dtype: inf where float32 overflows
     if not (np.isfinite(table).all() and (table >= 0).all()):
-        raise ValueError(f"values={values!r} must all be finite numbers >= 0")
-    table = table.astype(np.float32)
+        raise ValueError(f"values={values!r} must all be finite numbers >= 0 in float32")
 
     def schedule(step):
         return jnp.asarray(table)[jnp.clip(jnp.asarray(step), 0, table.size - 1).astype(jnp.int32)]

@@ -113,6 +113,42 @@ BAD = {
         (V, r"backoff_factor=\[0.5\]", lambda: G.dynamic_loss_scale(SGD, backoff_factor=[0.5])),
         (V, "max_scale=nan", lambda: G.dynamic_loss_scale(SGD, max_scale=NAN)),
         (T, "axis_name=", lambda: G.dynamic_loss_scale(SGD, axis_name=["batch"])),
+        # bools, and values float32 (the state's dtype) cannot hold or rounds past a limit
+        (
+            V,
+            "init_scale=True must be a real number, not a bool",
+            lambda: G.dynamic_loss_scale(SGD, init_scale=True),
+        ),
+        (
+            V,
+            r"max_scale=1e\+39 must be a finite number > 0 \(float32 rounds it to inf\)",
+            lambda: G.dynamic_loss_scale(SGD, max_scale=1e39),
+        ),
+        (
+            V,
+            r"min_scale=1e-50 must be a finite number > 0 \(float32 rounds it to 0.0\)",
+            lambda: G.dynamic_loss_scale(SGD, min_scale=1e-50),
+        ),
+        (
+            V,
+            r"growth_factor=1.0 must be a finite number > 1",
+            lambda: G.dynamic_loss_scale(SGD, growth_factor=1.0),
+        ),
+        (
+            V,
+            r"growth_factor=1.000000000001 .*float32 rounds it to 1.0",
+            lambda: G.dynamic_loss_scale(SGD, growth_factor=1 + 1e-12),
+        ),
+        (
+            V,
+            r"backoff_factor=0.999999999 .*float32 rounds it to 1.0",
+            lambda: G.dynamic_loss_scale(SGD, backoff_factor=1 - 1e-9),
+        ),
+        (
+            V,
+            r"growth_interval=2147483648 must be at most 2\*\*31 - 1",
+            lambda: G.dynamic_loss_scale(SGD, growth_interval=2**31),
+        ),
     ],
     "fixed_loss_scale": [
         (T, "inner='sgd'", lambda: G.fixed_loss_scale("sgd")),
@@ -120,6 +156,8 @@ BAD = {
         (V, "scale=Array", lambda: G.fixed_loss_scale(SGD, jnp.ones(2))),
         (V, "skip_nonfinite=None", lambda: G.fixed_loss_scale(SGD, skip_nonfinite=None)),
         (T, "axis_name=", lambda: G.fixed_loss_scale(SGD, axis_name={"batch"})),
+        (V, "scale=True must be a real number, not a bool", lambda: G.fixed_loss_scale(SGD, True)),
+        (V, r"scale=1e\+39 .*float32 rounds it to inf", lambda: G.fixed_loss_scale(SGD, 1e39)),
     ],
     "scale_loss": [
         (T, "loss='0.5'", lambda: G.scale_loss("0.5", SCALED_STATE)),
@@ -174,6 +212,7 @@ BAD = {
         (V, "average=None", lambda: G.accumulate(SGD, 2, average=None)),
         (V, "dtype=", lambda: G.accumulate(SGD, 2, dtype=jnp.int8)),
         (V, "dtype='no dtype'", lambda: G.accumulate(SGD, 2, dtype="no dtype")),
+        (V, r"every_k=2147483648 must be at most 2\*\*31 - 1", lambda: G.accumulate(SGD, 2**31)),
         (V, "on_nonfinite='skip'", lambda: G.accumulate(SGD, 2, on_nonfinite="skip")),
         (V, "weight='x'", lambda: accumulate_update(weight="x")),
         (V, "weight must be a scalar", lambda: accumulate_update(weight=jnp.ones(2))),
@@ -192,6 +231,9 @@ BAD = {
         (V, "norm_type=0.5", lambda: G.clip_by_global_norm(1.0, norm_type=0.5)),
         (V, "norm_type='fro'", lambda: G.clip_by_global_norm(1.0, norm_type="fro")),
         (V, "norm_type=True", lambda: G.clip_by_global_norm(1.0, norm_type=True)),
+        (V, "norm_type='2'", lambda: G.clip_by_global_norm(1.0, norm_type="2")),
+        (V, "max_norm=True must be a real number, not a bool", lambda: G.clip_by_global_norm(True)),
+        (V, r"max_norm=1e-50 .*float32 rounds it to 0.0", lambda: G.clip_by_global_norm(1e-50)),
     ],
     "global_norm": [
         (T, r"tree\['a'\]='x'", lambda: G.global_norm({"a": "x"})),
@@ -206,6 +248,11 @@ BAD = {
         (V, "learning_rate=None", lambda: S.exponential_decay(None, 0.9, 2)),
         (V, "decay_rate=0.0", lambda: S.exponential_decay(0.1, 0.0, 2)),
         (V, "staircase='yes'", lambda: S.exponential_decay(0.1, 0.9, 2, staircase="yes")),
+        (
+            V,
+            r"learning_rate=1e\+39 .*float32 rounds it to inf",
+            lambda: S.exponential_decay(1e39, 0.9, 2),
+        ),
     ],
     "schedules.natural_exp_decay": [
         (V, "decay_rate='0.5'", lambda: S.natural_exp_decay(0.1, "0.5", 2)),
@@ -227,6 +274,7 @@ BAD = {
     "schedules.warmup": [
         (V, r"learning_rate=\[0.1\]", lambda: S.warmup([0.1], 2)),
         (V, "warmup_steps=-1", lambda: S.warmup(0.1, -1)),
+        (V, "learning_rate=True must be a real number, not a bool", lambda: S.warmup(True, 2)),
     ],
     "schedules.with_warmup": [
         (T, "schedule=0.1", lambda: S.with_warmup(0.1, 2)),
@@ -246,6 +294,11 @@ BAD = {
         (V, "values=None", lambda: S.from_list(None)),
         (V, r"values=\[\[0.1\]\]", lambda: S.from_list([[0.1]])),
         (V, r"values=\[-1.0\]", lambda: S.from_list([-1.0])),
+        (
+            V,
+            r"values=\[1e\+39\] must all be finite numbers >= 0 in float32",
+            lambda: S.from_list([1e39]),
+        ),
     ],
 }
 CASES = [
