@@ -410,7 +410,7 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
       >>> gradtools.loss_scale(tx.init({'w': jnp.zeros(3)}))
       Array(512., dtype=float32)
     """
-    return _find_state(opt_state, "loss_scale").loss_scale
+    return jnp.asarray(_find_state(opt_state, "loss_scale").loss_scale)  # nnx keeps a Variable
 
 
 def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:

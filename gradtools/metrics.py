@@ -11,6 +11,7 @@ values as a flat dict, ready to log or to return from a jitted step.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 __all__ = ["metrics"]
@@ -60,13 +61,16 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       >>> sorted(m), float(m['loss_scale'])
       (['finite', 'loss_scale', 'skipped_steps'], 32768.0)
     """
+    # jnp.asarray: a flax.nnx.Optimizer keeps each state leaf in a Variable.
     out: dict[str, jax.Array] = {}
     for key, cls, field in _SOURCES:
         found = optax.tree.get_all_with_path(opt_state, cls)
         if found:
-            out[key] = getattr(found[0][1], field)
+            out[key] = jnp.asarray(getattr(found[0][1], field))
     for cls in _HYPERPARAM_STATES:
         for _, state in optax.tree.get_all_with_path(opt_state, cls):
             if "learning_rate" in state.hyperparams and "learning_rate" not in out:
-                out["learning_rate"] = state.hyperparams["learning_rate"]
+                # optax keeps it in the params' dtype (or as given: an int): report float32
+                lr = state.hyperparams["learning_rate"]
+                out["learning_rate"] = jnp.asarray(lr).astype(jnp.float32)
     return out

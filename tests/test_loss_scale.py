@@ -344,6 +344,29 @@ def test_scale_loss_finds_state_at_any_depth():
     assert out.dtype == jnp.float16 and float(out) == 128.0
 
 
+def test_nnx_optimizer_state_reads_as_arrays():
+    """flax.nnx.Optimizer keeps each state leaf in a Variable; metrics give plain arrays."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3, jnp.bfloat16))
+
+    model = Model()
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    opt = nnx.Optimizer(model, gradtools.dynamic_loss_scale(inner, init_scale=4.0), wrt=nnx.Param)
+    grads = nnx.State({"w": nnx.Param(jnp.full(3, 4.0, jnp.bfloat16))})  # 1.0 unscaled
+    opt.update(model, grads)
+    assert isinstance(gradtools.loss_scale(opt.opt_state), jax.Array)
+    m = gradtools.metrics(opt.opt_state)
+    assert all(isinstance(v, jax.Array) for v in m.values()), m
+    assert (float(m["loss_scale"]), int(m["skipped_steps"]), bool(m["finite"])) == (4.0, 0, True)
+    # optax keeps the rate in the params' dtype (bfloat16); metrics report float32
+    assert m["learning_rate"].dtype == jnp.float32
+    assert float(m["learning_rate"]) == float(jnp.bfloat16(0.1))
+    np.testing.assert_array_equal(np.asarray(model.w[...], np.float32), [0.8984375] * 3)
+
+
 def test_missing_state_says_what_to_do():
     state = optax.adam(1e-3).init({"w": jnp.zeros(2)})
     for fn in (lambda: gradtools.scale_loss(1.0, state), lambda: gradtools.loss_scale(state)):
