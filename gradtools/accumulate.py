@@ -261,7 +261,8 @@ def accumulate(
     skip_nonfinite = on_nonfinite == "skip_microstep"
 
     def init_fn(params):
-        buffer = () if every_k == 1 else jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+        # zeros_like: laid out like the param, as optax lays out its moments
+        buffer = () if every_k == 1 else jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params)
         return AccumulateState(
             micro_step=jnp.zeros([], jnp.int32),
             window_weight=jnp.zeros([], jnp.float32),

@@ -406,6 +406,10 @@ def test_sharded_params_keep_their_sharding():
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     params = {"w": jax.device_put(jnp.zeros(8), sharding)}
     tx = gradtools.accumulate(optax.adam(0.1), 2)
+    if jax.__version_info__ >= (0, 10):  # older jax gives zeros_like no sharding
+        eager = tx.init(params)  # not on one device: the buffer is laid out like adam's mu
+        for x in (eager.acc_grads["w"], eager.inner_state[0].mu["w"]):
+            assert x.sharding.is_equivalent_to(sharding, 1), x.sharding
     state = jax.jit(tx.init)(params)
     update = jax.jit(tx.update)
     for _ in range(2):
