@@ -109,7 +109,9 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
     ``norm = (sum over leaves and elements of |x| ** p) ** (1 / p)``, or
     ``max |x|`` for ``p = inf``, accumulated in float32 whatever the leaves'
     dtypes. L1, L2 and L-inf read the tree once; other ``p`` read it twice,
-    scaling by ``max |x|`` first so that ``|x| ** p`` cannot overflow.
+    scaling by ``max |x|`` first so that ``|x| ** p`` cannot overflow. The L2
+    norm sums plain float32 squares, as optax and PyTorch do: beyond about
+    1.8e19 (gradients that have blown up) it comes out as inf.
 
     Args:
       tree: a pytree of arrays (fp32, bf16, fp16 mixed; ``None`` leaves and
@@ -119,7 +121,8 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
         (``optax.inject_hyperparams`` injects it) is not checked.
 
     Returns:
-      A float32 scalar; 0 for an empty tree; inf or NaN if an element is.
+      A float32 scalar; 0 for an empty tree; inf or NaN if an element is;
+      inf for an L2 norm beyond about 1.8e19.
 
     Raises:
       TypeError: if a leaf of ``tree`` is not a numeric array or number.
@@ -143,7 +146,7 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     Each ``update(updates, state, params=None)`` does::
 
       norm = global_norm(updates, norm_type)            # float32
-      factor = max_norm / norm if isfinite(norm) and norm > max_norm else 1
+      factor = max_norm / norm if norm > max_norm else 1 # 0 for an inf norm
       updates = (updates * factor).astype(updates.dtype) # one float32 scalar
       grad_norm = norm                                   # kept for metrics()
 
@@ -154,12 +157,15 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     ``max_norm``, and leaves clipped ones just under it, by an amount that
     depends on the gradients' units.
 
-    A non-finite norm (an inf or NaN gradient, or a norm beyond float32's
-    range) cannot be repaired by one scalar: the updates pass unchanged and
-    ``grad_norm`` records the inf or NaN, so that the loss scaler or
-    ``optax.apply_if_finite`` around the optimizer skips the step and counts
-    it, while ``metrics()`` shows why. (optax zeroes the finite entries when
-    the norm is inf, and turns every entry into NaN when it is NaN.)
+    An inf norm scales the updates by 0, as optax and PyTorch do: finite
+    entries become 0 and inf entries NaN. It comes from an inf gradient, or
+    from finite gradients too large to square in float32: an L2 norm beyond
+    about 1.8e19, which ``global_norm`` reports as inf. Such a step then moves
+    nothing instead of applying gradients that large. A NaN norm (a NaN
+    gradient) lets the updates pass unchanged, where optax turns every entry
+    into NaN. Either way ``grad_norm`` records the inf or NaN, a loss scaler or
+    ``optax.apply_if_finite`` around the optimizer skips a step whose
+    gradients hold an inf or NaN and counts it, and ``metrics()`` shows why.
     That record survives only where the clip's state is kept: inside a loss
     scaler (``dynamic_loss_scale(chain(clip_by_global_norm(...), ...))``) a
     skipped step leaves the whole inner state as it was, so ``grad_norm``
@@ -204,8 +210,7 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
         del state, params
         norm = _global_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)
-        clip = jnp.isfinite(norm) & (norm > limit)
-        factor = jnp.where(clip, limit / norm, jnp.ones([], jnp.float32))
+        factor = jnp.where(norm > limit, limit / norm, jnp.ones([], jnp.float32))
         return _tree.scale_f32(updates, factor, updates), ClipByGlobalNormState(grad_norm=norm)
 
     return optax.GradientTransformation(init_fn, update_fn)

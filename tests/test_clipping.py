@@ -116,12 +116,59 @@ def test_boundary_norm_equal_or_below_passes_unchanged():
         chex.assert_trees_all_equal(got, tree, strict=True)
 
 
-def test_nonfinite_norm_passes_updates_and_records_it():
+def test_inf_norm_scales_by_zero_as_optax_does_and_is_recorded():
     tree = {"a": jnp.array([1.0, jnp.inf]), "b": jnp.array([2.0, 3.0])}
     tx = gradtools.clip_by_global_norm(1.0)
     got, state = jax.jit(tx.update)(tree, tx.init(tree))
-    chex.assert_trees_all_equal(got, tree)
+    ref, _ = optax.clip_by_global_norm(1.0).update(tree, optax.EmptyState())
+    chex.assert_trees_all_equal(got, {"a": jnp.array([0.0, jnp.nan]), "b": jnp.zeros(2)})
+    chex.assert_trees_all_equal(got, ref)
     assert np.isinf(state.grad_norm) and not bool(gradtools.all_finite(got))
+
+
+def test_nan_norm_passes_updates_and_records_it():
+    tree = {"a": jnp.array([1.0, jnp.nan]), "b": jnp.array([2.0, 3.0])}
+    tx = gradtools.clip_by_global_norm(1.0)
+    got, state = jax.jit(tx.update)(tree, tx.init(tree))
+    chex.assert_trees_all_equal(got, tree)  # optax makes every entry NaN
+    assert np.isnan(state.grad_norm)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_too_large_to_square_move_nothing(dtype):
+    """Finite gradients whose squares overflow float32: an inf L2 norm, zero updates.
+
+    PyTorch's clip_grad_norm_ (norm inf, coefficient max_norm / inf = 0) and
+    optax's clip give the same zeros. Inside a loss scaler, whose check finds
+    these gradients finite, Adam then takes zeros instead of squaring 1e20
+    into an inf second moment that would freeze the param for good.
+    """
+    grads = {"w": jnp.array([1e20, -1e20, 1.0], dtype)}
+    tx = gradtools.clip_by_global_norm(1.0)
+    got, state = jax.jit(tx.update)(grads, tx.init(grads))
+    chex.assert_trees_all_equal(got, {"w": jnp.zeros(3, dtype)})
+    ref, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    chex.assert_trees_all_equal(got, ref)
+    assert np.isinf(state.grad_norm)
+
+    params = {"w": jnp.ones(3, jnp.float32)}
+    scaled = gradtools.dynamic_loss_scale(
+        optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(0.1)), init_scale=1.0
+    )
+    for apply in (False, True):
+        state = scaled.init(params)
+        if apply:
+            new, state = jax.jit(gradtools.apply_gradients, static_argnums=0)(
+                scaled, grads, state, params
+            )
+        else:
+            updates, state = jax.jit(scaled.update)(grads, state, params)
+            new = optax.apply_updates(params, updates)
+        m = gradtools.metrics(state)
+        assert bool(m["finite"]) and np.isinf(m["grad_norm"])  # applied, not skipped
+        chex.assert_trees_all_equal(new, params)  # Adam's first step on zeros moves nothing
+        ((_, adam),) = optax.tree.get_all_with_path(state, "ScaleByAdamState")
+        chex.assert_trees_all_equal(adam.nu, {"w": jnp.zeros(3)})
 
 
 def test_clipping_after_unscaling_is_scale_independent():
