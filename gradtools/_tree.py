@@ -26,22 +26,24 @@ _MAX_SHOWN = 10  # how many differing paths an error message lists
 _FAN_IN = 32  # scalars combined by one fusion in reduce_scalars
 
 
-def scale_f32(tree: Any, factor: jax.Array, like: Any = None) -> Any:
-    """Multiplies every leaf by a scalar in float32, then casts.
+def scale_f32(tree: Any, factor: jax.Array) -> Any:
+    """Multiplies every leaf by a scalar in float32 (float64 leaves in float64), then casts back.
 
     Args:
       tree: a pytree of arrays (``None`` leaves are kept as ``None``).
-      factor: a scalar, multiplied in float32.
-      like: optional pytree with the structure of ``tree``; each result is cast
-        to the dtype of its matching leaf. Without it results stay float32.
+      factor: a scalar; a float32 value.
 
     Returns:
-      The scaled pytree.
+      The scaled pytree, each leaf in its own dtype. A factor of 1 returns
+      every leaf bit for bit.
     """
     factor = jnp.asarray(factor, jnp.float32)
-    if like is None:
-        return jax.tree.map(lambda g: g.astype(jnp.float32) * factor, tree)
-    return jax.tree.map(lambda g, p: (g.astype(jnp.float32) * factor).astype(p.dtype), tree, like)
+
+    def one(g: jax.Array) -> jax.Array:
+        wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
+        return (g.astype(wide) * factor.astype(wide)).astype(g.dtype)
+
+    return jax.tree.map(one, tree)
 
 
 def zeros_like_shapes(shapes: Any) -> Any:

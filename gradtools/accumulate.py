@@ -296,7 +296,7 @@ def accumulate(
 
         if every_k == 1:
             if w is not None and not average:  # the weighted sum of one micro-batch
-                updates = _tree.scale_f32(updates, w, updates)
+                updates = _tree.scale_f32(updates, w)
             if take is None:
                 new_updates, inner_state = apply(updates)
             else:

@@ -211,6 +211,6 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
         norm = _global_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)
         factor = jnp.where(norm > limit, limit / norm, jnp.ones([], jnp.float32))
-        return _tree.scale_f32(updates, factor, updates), ClipByGlobalNormState(grad_norm=norm)
+        return _tree.scale_f32(updates, factor), ClipByGlobalNormState(grad_norm=norm)
 
     return optax.GradientTransformation(init_fn, update_fn)

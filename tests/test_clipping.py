@@ -126,6 +126,23 @@ def test_inf_norm_scales_by_zero_as_optax_does_and_is_recorded():
     assert np.isinf(state.grad_norm) and not bool(gradtools.all_finite(got))
 
 
+def test_float64_updates_under_x64_are_scaled_in_float64():
+    """Unclipped float64 updates pass bit for bit; clipped ones are not rounded to float32."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        g = {"a": jnp.array([0.1, 0.2, 1 / 3], jnp.float64)}
+        tx = gradtools.clip_by_global_norm(10.0)
+        got, _ = jax.jit(tx.update)(g, tx.init(g))
+        chex.assert_trees_all_equal(got, g, strict=True)
+        tx = gradtools.clip_by_global_norm(0.25)
+        got, state = jax.jit(tx.update)(g, tx.init(g))
+        assert got["a"].dtype == jnp.float64 and state.grad_norm.dtype == jnp.float32
+        factor = np.float64(np.float32(0.25) / np.float32(state.grad_norm))  # the float32 factor
+        np.testing.assert_array_equal(got["a"], np.asarray(g["a"]) * factor)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
 def test_nan_norm_passes_updates_and_records_it():
     tree = {"a": jnp.array([1.0, jnp.nan]), "b": jnp.array([2.0, 3.0])}
     tx = gradtools.clip_by_global_norm(1.0)
