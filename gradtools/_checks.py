@@ -157,7 +157,9 @@ def is_transform(name: str, value: Any) -> None:
 
 
 def regex(name: str, value: Any) -> re.Pattern[str]:
-    """Compiles ``value`` as a regular expression, or says why it cannot."""
+    """Compiles ``value`` as a regular expression (or takes it compiled), or says why it cannot."""
+    if isinstance(value, re.Pattern) and isinstance(value.pattern, str):
+        return value
     if not isinstance(value, str):
         raise TypeError(f"{name}={value!r} must be a regular expression string, e.g. r'conv'")
     try:

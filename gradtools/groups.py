@@ -187,7 +187,8 @@ def label_params(params: Any, rules: Sequence[tuple[str, Any]], default: Any = N
     Args:
       params: a pytree of parameters (see :func:`path_names`).
       rules: ordered ``(regex, label)`` pairs; a parameter takes the label of
-        the first rule whose regex ``re.search``-es its path name. Labels
+        the first rule whose regex ``re.search``-es its path name (a string,
+        or compiled with ``re.compile``, e.g. for ``re.IGNORECASE``). Labels
         should be leaves (str, int, bool), e.g. ``False`` for a weight-decay mask.
       default: the label of parameters that match no rule; ``None`` means
         every parameter must match a rule.
@@ -395,7 +396,7 @@ def freeze(
       ``param.requires_grad = False``.
     """
     _checks.is_transform("inner", inner)
-    if isinstance(patterns, str):
+    if isinstance(patterns, (str, re.Pattern)):
         patterns = [patterns]
     if not isinstance(patterns, Sequence) or not patterns:
         raise TypeError(f"{patterns=} must be a regex or a non-empty sequence of regexes")

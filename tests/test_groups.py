@@ -5,6 +5,7 @@ code under test.
 """
 
 import functools
+import re
 from typing import NamedTuple
 
 import chex
@@ -117,6 +118,22 @@ def test_label_params_first_match_wins():
     swapped = [rules[1], rules[0], rules[2]]
     labels = gradtools.label_params(variables, swapped, default="conv")["params"]
     assert labels["fc3"] == {"bias": "bias", "kernel": "head"}
+
+
+def test_compiled_regexes_work_as_strings_do():
+    variables, _ = lenet()
+    rules = [(re.compile(r"FC3", re.IGNORECASE), "head"), (r"^params/fc", "fc")]
+    labels = gradtools.label_params(variables, rules, default="conv")["params"]
+    assert labels["fc3"] == {"bias": "head", "kernel": "head"}
+    assert labels["fc1"] == {"bias": "fc", "kernel": "fc"}
+    assert labels["conv1"] == {"bias": "conv", "kernel": "conv"}
+    frozen = gradtools.freeze(optax.sgd(1.0), re.compile(r"CONV", re.IGNORECASE))
+    grads = jax.tree.map(jnp.ones_like, variables)
+    updates, _ = frozen.update(grads, frozen.init(variables), variables)
+    assert not np.any(np.asarray(updates["params"]["conv1"]["kernel"]))
+    np.testing.assert_array_equal(
+        updates["params"]["fc1"]["kernel"], -grads["params"]["fc1"]["kernel"]
+    )
 
 
 def test_freeze_patterns_may_overlap_and_any_match_freezes():
