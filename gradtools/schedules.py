@@ -389,10 +389,13 @@ def polynomial_decay(
     def schedule(step):
         step = jnp.asarray(step)
         if update_decay_steps:
-            d = decay_steps * jnp.maximum(-(-step // decay_steps), 1)  # ceil, integer
+            # d = decay_steps * max(ceil(step / decay_steps), 1), through d - step,
+            # which cannot overflow int32 as d can near 2**31
+            gap = jnp.where(step > 0, (-step) % decay_steps, decay_steps - step)
+            left = _f32(gap) / (_f32(step) + _f32(gap))
         else:
-            d, step = decay_steps, jnp.minimum(step, decay_steps)
-        left = _f32(d - step) / _f32(d)
+            step = jnp.minimum(step, decay_steps)
+            left = _f32(decay_steps - step) / _f32(decay_steps)
         return _f32((learning_rate - end_learning_rate) * left**power + end_learning_rate)
 
     return schedule

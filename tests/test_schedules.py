@@ -95,6 +95,13 @@ HAND = [
     ("poly-upd-8", S.polynomial_decay(0.1, 0.01, 4, 2.0, update_decay_steps=True), 8, 0.01),
     # d = 12: 0.09 * (3/12) ** 2 + 0.01
     ("poly-upd-9", S.polynomial_decay(0.1, 0.01, 4, 2.0, update_decay_steps=True), 9, 0.015625),
+    # the last int32 step: d = 4 * ceil((2**31 - 1) / 4) = 2**31 (past int32), 0.1 * 1 / 2**31
+    (
+        "poly-upd-int32-max",
+        S.polynomial_decay(0.1, 0.0, 4, update_decay_steps=True),
+        2**31 - 1,
+        0.1 / 2**31,
+    ),
     # warmup: 0.1 * min(step, 4) / 4
     ("warmup-0", S.warmup(0.1, 4), 0, 0.0),
     ("warmup-inside", S.warmup(0.1, 4), 1, 0.025),
