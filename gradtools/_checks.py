@@ -35,6 +35,7 @@ __all__ = [
     "numeric_leaves",
     "one_of",
     "positive_int",
+    "real_leaves",
     "regex",
     "static",
     "traced",
@@ -203,6 +204,21 @@ def floating(caller: str, name: str, value: Any) -> None:
     """Checks that ``value`` is a floating-point number or array (or tracer)."""
     if not (numeric(value) and jnp.issubdtype(jnp.result_type(value), jnp.floating)):
         raise TypeError(f"{caller}: {name}={value!r} must be a floating-point number or array")
+
+
+def real_leaves(caller: str, name: str, tree: Any) -> None:
+    """Raises a ``TypeError`` naming the first complex leaf of ``tree``.
+
+    gradtools computes in real float32 (unscaling, norms, accumulation
+    buffers): a complex gradient would silently lose its imaginary part.
+    """
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.iscomplexobj(x):
+            raise TypeError(
+                f"{caller}: {name}{jax.tree_util.keystr(path)} is complex "
+                f"({jnp.result_type(x)}); gradtools takes real gradients: keep a complex "
+                "parameter as its real and imaginary parts"
+            )
 
 
 def numeric_leaves(caller: str, name: str, tree: Any) -> list[Any]:

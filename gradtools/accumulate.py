@@ -277,6 +277,7 @@ def accumulate(
         Returns the updates (or, when ``fused``, the new params) and the new state.
         """
         _tree.check_like("accumulate", updates, params)
+        _checks.real_leaves("accumulate", "updates", updates)
         if every_k > 1:
             _tree.check_like("accumulate", updates, state.acc_grads, "acc_grads (from init)")
         flush = _flush_flag(flush)

@@ -125,7 +125,7 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
       inf for an L2 norm beyond about 1.8e19.
 
     Raises:
-      TypeError: if a leaf of ``tree`` is not a numeric array or number.
+      TypeError: if a leaf of ``tree`` is not a real numeric array or number.
       ValueError: if ``norm_type`` is below 1, NaN or not a number.
 
     Example:
@@ -137,6 +137,7 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
       Array(7., dtype=float32)
     """
     _checks.numeric_leaves("global_norm", "tree", tree)
+    _checks.real_leaves("global_norm", "tree", tree)
     return _global_norm(tree, _norm_type(norm_type))
 
 
@@ -208,6 +209,7 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
 
     def update_fn(updates, state, params=None):
         del state, params
+        _checks.real_leaves("clip_by_global_norm", "updates", updates)
         norm = _global_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)
         factor = jnp.where(norm > limit, limit / norm, jnp.ones([], jnp.float32))

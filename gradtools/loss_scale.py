@@ -171,6 +171,7 @@ def _loss_scaler(
         Returns the updates (or, when ``fused``, the new params) and the new state.
         """
         _tree.check_like(caller, updates, params)
+        _checks.real_leaves(caller, "updates", updates)
         # The unscaled gradients are never stored: they are recomputed inside the
         # finiteness reduction and inside inner's own fusions (one scalar per leaf,
         # see _tree.distinct_scalars). Storing them costs a parameter-sized write

@@ -88,6 +88,25 @@ def test_numbers_given_as_strings_are_rejected(name, build):
         build()
 
 
+COMPLEX = {"w": jnp.array([2 + 4j, -2 + 2j], jnp.complex64)}
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        gradtools.dynamic_loss_scale(optax.sgd(1.0)),
+        gradtools.fixed_loss_scale(optax.sgd(1.0), 2.0),
+        gradtools.accumulate(optax.sgd(1.0), 2),
+        gradtools.clip_by_global_norm(1.0),
+    ],
+    ids=["dynamic_loss_scale", "fixed_loss_scale", "accumulate", "clip_by_global_norm"],
+)
+def test_complex_gradients_are_refused_not_made_real(tx):
+    """Unscaling, norms and buffers are real float32: an imaginary part would be dropped."""
+    with pytest.raises(TypeError, match=r"updates\['w'\] is complex \(complex64\)"):
+        jax.jit(tx.update)(COMPLEX, tx.init(COMPLEX), COMPLEX)
+
+
 # -- every public function, wrong types and out-of-range values ---------------------------------
 
 G, S = gradtools, gradtools.schedules
@@ -237,6 +256,11 @@ BAD = {
     ],
     "global_norm": [
         (T, r"tree\['a'\]='x'", lambda: G.global_norm({"a": "x"})),
+        (
+            T,
+            r"tree\['a'\] is complex \(complex64\)",
+            lambda: G.global_norm({"a": jnp.ones(2, jnp.complex64)}),
+        ),
         (V, "norm_type=nan", lambda: G.global_norm(PARAMS, norm_type=NAN)),
     ],
     "schedules.piecewise_constant": [
