@@ -338,7 +338,9 @@ def fixed_loss_scale(
 
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``).
-      scale: the loss scale; finite and > 0.
+      scale: the loss scale; finite and > 0. Under
+        ``optax.inject_hyperparams``, a new value takes effect from the next
+        step (this step's gradients were scaled by the old one).
       skip_nonfinite: skip steps whose gradients are not all finite. ``False``
         is MindSpore's ``FixedLossScaleManager(drop_overflow_update=False)``,
         without the optimizer having to know the scale.
@@ -372,8 +374,11 @@ def fixed_loss_scale(
     _checks.is_bool("skip_nonfinite", skip_nonfinite)
     _checks.hashable("axis_name", axis_name)
 
-    def adjust(scale, good_steps, finite):
-        return scale, jnp.where(finite, optax.safe_increment(good_steps), 0)
+    def adjust(current, good_steps, finite):
+        del current  # the given scale, which inject_hyperparams may have changed
+        return jnp.asarray(scale, jnp.float32), jnp.where(
+            finite, optax.safe_increment(good_steps), 0
+        )
 
     return _loss_scaler("fixed_loss_scale", inner, scale, adjust, skip_nonfinite, axis_name)
 

@@ -367,6 +367,21 @@ def test_nnx_optimizer_state_reads_as_arrays():
     np.testing.assert_array_equal(np.asarray(model.w[...], np.float32), [0.8984375] * 3)
 
 
+def test_injected_fixed_scale_takes_effect_from_the_next_step():
+    tx = optax.inject_hyperparams(gradtools.fixed_loss_scale)(optax.sgd(1.0), scale=4.0)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    u, state = update({"w": jnp.full(2, 4.0)}, state, params)  # scaled by 4: 1.0 each
+    np.testing.assert_array_equal(u["w"], [-1.0, -1.0])
+    state.hyperparams["scale"] = jnp.float32(16.0)
+    u, state = update({"w": jnp.full(2, 8.0)}, state, params)  # still scaled by the old 4
+    np.testing.assert_array_equal(u["w"], [-2.0, -2.0])
+    assert float(gradtools.loss_scale(state)) == 16.0  # what scale_loss uses next
+    u, state = update({"w": jnp.full(2, 16.0)}, state, params)
+    np.testing.assert_array_equal(u["w"], [-1.0, -1.0])
+
+
 def test_missing_state_says_what_to_do():
     state = optax.adam(1e-3).init({"w": jnp.zeros(2)})
     for fn in (lambda: gradtools.scale_loss(1.0, state), lambda: gradtools.loss_scale(state)):
