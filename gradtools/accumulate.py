@@ -183,6 +183,10 @@ def accumulate(
     ``inner`` in the dtype of the matching param (of the gradient when
     ``params`` is None); updates, zero or not, come back in the dtype ``inner``
     returns them. ``flush`` may be a traced bool: it does not retrace.
+    With float16 params and ``average=False``, a window's sum of loss-scaled
+    gradients can pass float16's maximum (65504) in that cast and arrive as
+    inf: there, average, or put the loss scaler outside
+    (``dynamic_loss_scale(accumulate(...))``), which unscales each micro-step.
 
     **Weights.** With ``weight`` (e.g. the micro-batch's example count) the
     window's mean is weighted, so micro-batches of 32, 32, 32 and 7 examples
