@@ -423,7 +423,11 @@ def scale_loss(loss: jax.Array, opt_state: optax.OptState) -> jax.Array:
     """Multiplies ``loss`` by the current loss scale found in ``opt_state``.
 
     Differentiate the result, not ``loss``: the gradients come out scaled, and
-    the loss-scale wrapper unscales them. The product keeps ``loss``'s dtype.
+    the loss-scale wrapper unscales them. The product keeps ``loss``'s dtype,
+    and so does the scale the gradients start from: keep scales powers of two
+    (the defaults, and any ``growth_factor``/``backoff_factor`` of 2 and 0.5),
+    which bfloat16 and float16 hold exactly. A scale of 1001 is 1000 in
+    bfloat16, and gradients unscaled by 1/1001 come out 0.1% small.
 
     Args:
       loss: a scalar loss (any float dtype).
