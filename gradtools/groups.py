@@ -104,10 +104,43 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
+def _is_box(x: Any) -> bool:
+    """Whether ``x`` is a Flax metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``)."""
+    meta = sys.modules.get("flax.core.meta")
+    return meta is not None and isinstance(x, meta.AxisMetadata)
+
+
+_BOXED = jax.tree_util.GetAttrKey("value")
+
+
+def _unboxed(paths: list[tuple[Any, ...]], tree: Any) -> list[tuple[Any, ...]]:
+    """``paths`` without the ``value`` field of each Flax metadata box on them.
+
+    ``nn.with_partitioning`` wraps a param in a box whose array is its field
+    ``value``: the kernel is named ``params/Dense_0/kernel``, not
+    ``params/Dense_0/kernel/value``, as it is without partitioning.
+    """
+    if "flax.core.meta" not in sys.modules:
+        return paths
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_box(x))[0]
+    boxes = {tuple(path) for path, x in found if _is_box(x)}
+    if not boxes:
+        return paths
+    out = []
+    for path in paths:
+        for n in range(len(path)):
+            if path[n] == _BOXED and tuple(path[:n]) in boxes:
+                path = (*path[:n], *path[n + 1 :])
+                break
+        out.append(tuple(path))
+    return out
+
+
 def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
     """Path names, leaves (``nnx.Variable``s whole) and treedef of ``tree``."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
-    names = ["/".join(_key_name(k) for k in path) for path, _ in pairs]
+    paths = _unboxed([path for path, _ in pairs], tree)
+    names = ["/".join(_key_name(k) for k in path) for path in paths]
     return names, [leaf for _, leaf in pairs], treedef
 
 
@@ -122,7 +155,8 @@ def path_names(params: Any) -> Any:
     Args:
       params: a pytree: Flax Linen variables, an ``nnx.State``, nested
         dicts/lists/tuples/NamedTuples/dataclasses. ``None`` and empty subtrees
-        stay as they are; an ``nnx.Variable`` is one leaf.
+        stay as they are; an ``nnx.Variable`` is one leaf; a param boxed by
+        ``nn.with_partitioning`` is named as it would be unboxed.
 
     Returns:
       A pytree of the structure of ``params`` with a ``str`` at every leaf.

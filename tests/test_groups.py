@@ -108,6 +108,29 @@ def test_path_names_linen_plain_and_nnx():
     assert jax.tree.leaves(labels) == ["linear", "linear", "norm", "norm"]
 
 
+def test_partitioned_params_are_named_as_unboxed():
+    """nn.with_partitioning boxes a param; its array is the box's field ``value``."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            x = nn.Dense(3, kernel_init=init)(x)
+            return nn.Dense(1)(x)
+
+    variables = Net().init(jax.random.key(0), jnp.ones((1, 2)))
+    assert isinstance(variables["params"]["Dense_0"]["kernel"], nn.Partitioned)
+    names = ["params/Dense_0/bias", "params/Dense_0/kernel", "params/Dense_1/bias"]
+    assert jax.tree.leaves(gradtools.path_names(variables)) == [*names, "params/Dense_1/kernel"]
+    tx = gradtools.freeze(optax.sgd(1.0), r"Dense_0/kernel$")
+    grads = jax.tree.map(jnp.ones_like, variables)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(variables), variables)
+    boxed = updates["params"]["Dense_0"]["kernel"]
+    assert isinstance(boxed, nn.Partitioned) and boxed.names == (None, "model")
+    np.testing.assert_array_equal(boxed.value, np.zeros((2, 3)))
+    np.testing.assert_array_equal(updates["params"]["Dense_1"]["kernel"], -np.ones((3, 1)))
+
+
 def test_label_params_first_match_wins():
     variables, _ = lenet()
     rules = [(r"fc3", "head"), (r"bias$", "bias"), (r"^params/fc", "fc")]
