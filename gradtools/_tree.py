@@ -84,7 +84,7 @@ def vary_like(tree: Any, types: Any) -> Any:
         missing = tuple(_varying(like) - _varying(jax.typeof(x)))
         if not missing:
             return x
-        if hasattr(jax.lax, "pcast"):  # pvary before jax 0.8.2
+        if hasattr(jax.lax, "pcast"):  # it replaced pvary in jax 0.8.2
             return jax.lax.pcast(x, missing, to="varying")
         return jax.lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
 
@@ -93,7 +93,7 @@ def vary_like(tree: Any, types: Any) -> Any:
 
 def _varying(aval: Any) -> frozenset[Any]:
     """The mesh axes an abstract value varies over inside ``jax.shard_map``."""
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    manual = getattr(aval, "manual_axis_type", None)  # newer jax
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", None) or ())  # older jax

@@ -161,8 +161,8 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     An inf norm scales the updates by 0, as optax and PyTorch do: finite
     entries become 0 and inf entries NaN. It comes from an inf gradient, or
     from finite gradients too large to square in float32: an L2 norm beyond
-    about 1.8e19, which ``global_norm`` reports as inf. Such a step then moves
-    nothing instead of applying gradients that large. A NaN norm (a NaN
+    about 1.8e19, which ``global_norm`` reports as inf. Such a step then hands
+    the optimizer zeros instead of gradients that large. A NaN norm (a NaN
     gradient) lets the updates pass unchanged, where optax turns every entry
     into NaN. Either way ``grad_norm`` records the inf or NaN, a loss scaler or
     ``optax.apply_if_finite`` around the optimizer skips a step whose

@@ -375,7 +375,7 @@ def fixed_loss_scale(
     _checks.hashable("axis_name", axis_name)
 
     def adjust(current, good_steps, finite):
-        del current  # the given scale, which inject_hyperparams may have changed
+        del current  # the state's: the given scale replaces it (inject_hyperparams may change it)
         return jnp.asarray(scale, jnp.float32), jnp.where(
             finite, optax.safe_increment(good_steps), 0
         )
