@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
 from typing import Any
@@ -73,54 +74,36 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
-def _real32(name: str, value: Any) -> float:
-    """``value`` as the float32 it is computed in (hyperparameters live in float32)."""
+def _in_float32(name: str, value: Any, ok: Callable[[float], bool], what: str) -> None:
+    """Raises unless ``ok`` holds for ``value`` as the float32 it is computed in."""
+    if traced(value):
+        return
     v = _real(name, value)
     with np.errstate(over="ignore", under="ignore"):
-        return float(np.float32(v)) if math.isfinite(v) else v
-
-
-def _in_float32(value: Any, v32: float) -> str:
-    """`` (float32 rounds it to ...)`` where rounding to float32 changed ``value``."""
-    return "" if v32 == float(value) else f" (float32 rounds it to {v32})"
+        v32 = float(np.float32(v)) if math.isfinite(v) else v
+    if not ok(v32):
+        rounded = "" if v32 == v else f" (float32 rounds it to {v32})"
+        raise ValueError(f"{name}={value!r} must be {what}{rounded}")
 
 
 def finite_positive(name: str, value: Any) -> None:
     """Checks ``0 < value < inf``, in float32."""
-    if traced(value):
-        return
-    v = _real32(name, value)
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name}={value!r} must be a finite number > 0{_in_float32(value, v)}")
+    _in_float32(name, value, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def finite_non_negative(name: str, value: Any) -> None:
     """Checks ``0 <= value < inf``, in float32."""
-    if traced(value):
-        return
-    v = _real32(name, value)
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"{name}={value!r} must be a finite number >= 0{_in_float32(value, v)}")
+    _in_float32(name, value, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 
 
 def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
     """Checks ``low < value < high``, in float32."""
-    if traced(value):
-        return
-    v = _real32(name, value)
-    if not low < v < high:
-        raise ValueError(
-            f"{name}={value!r} must lie strictly between {low} and {high}{_in_float32(value, v)}"
-        )
+    _in_float32(name, value, lambda v: low < v < high, f"strictly between {low} and {high}")
 
 
 def greater_than_one(name: str, value: Any) -> None:
     """Checks ``1 < value < inf``, in float32."""
-    if traced(value):
-        return
-    v = _real32(name, value)
-    if not (math.isfinite(v) and v > 1):
-        raise ValueError(f"{name}={value!r} must be a finite number > 1{_in_float32(value, v)}")
+    _in_float32(name, value, lambda v: math.isfinite(v) and v > 1, "a finite number > 1")
 
 
 def positive_int(name: str, value: Any) -> None:
