@@ -12,6 +12,7 @@ import dataclasses
 import gzip
 import io
 import os
+import signal
 import subprocess
 import sys
 
@@ -465,6 +466,37 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_identically(
         train_and_evaluate(_config(checkpoint_dir=folder), small)
     monkeypatch.undo()
     assert sorted(os.listdir(folder)) == ["10", "15"]  # after epoch 1, and at Ctrl-C
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
+    _assert_trees_equal(resumed.params, expected.params)
+    _assert_trees_equal(resumed.opt_state, expected.opt_state)
+    assert resumed.history == expected.history
+
+
+def test_ctrl_c_during_a_step_stops_after_it_and_saves(uninterrupted, small, tmp_path, monkeypatch):
+    """The step in flight holds the donated params and state: stopping inside it loses them."""
+    _, expected = uninterrupted
+    folder = str(tmp_path / "ckpt")
+    train_module, handler = sys.modules["gradtools.demo.train"], signal.getsignal(signal.SIGINT)
+    real = train_module._programs
+
+    def programs_with_ctrl_c(*args):
+        programs, calls = real(*args), []
+
+        def train_step(*a, **kw):
+            out = programs.train_step(*a, **kw)  # this step's inputs are donated by now
+            calls.append(None)
+            if len(calls) == 16:  # Ctrl-C arrives before the step returns its outputs
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+            return out
+
+        return programs._replace(train_step=train_step)
+
+    monkeypatch.setattr(train_module, "_programs", programs_with_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(_config(checkpoint_dir=folder), small)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+    assert sorted(os.listdir(folder)) == ["10", "16"]  # after epoch 1, and after step 16
     resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
     _assert_trees_equal(resumed.params, expected.params)
     _assert_trees_equal(resumed.opt_state, expected.opt_state)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import signal
 import sys
+import threading
 import time
 from typing import Any
 from typing import NamedTuple
@@ -75,6 +77,44 @@ def _log(message: str) -> None:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
+
+
+class _CtrlC:
+    """Defers Ctrl-C (SIGINT) inside its block to the next :meth:`check`.
+
+    A training step is handed the params and optimizer state (donated): a
+    ``KeyboardInterrupt`` raised while it is in flight loses both, and the
+    checkpoint that Ctrl-C promises with them. So the first Ctrl-C only asks
+    to stop, and the loop stops between steps; a second one stops at once.
+    Outside the main thread (where Python delivers signals) nothing changes.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _log("stopping after this step (Ctrl-C again to stop at once)")
+
+    def check(self) -> None:
+        """Raises ``KeyboardInterrupt`` if a stop was asked for."""
+        if self.requested:
+            raise KeyboardInterrupt
 
 
 def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> Result:
@@ -265,6 +305,7 @@ class _Run:
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.written: str | None = None
         self._pending: list[tuple[int, dict[str, jax.Array]]] = []  # steps not in history yet
+        self._ctrl_c = _CtrlC()
 
     def put(self, x: np.ndarray) -> jax.Array:
         """A host batch as a global array split over the devices (on every host)."""
@@ -300,16 +341,21 @@ class _Run:
         return self.written
 
     def train(self, start: float) -> None:
-        """Trains to the end (or to ``max_steps``), one epoch at a time."""
+        """Trains to the end (or to ``max_steps``), one epoch at a time.
+
+        Ctrl-C stops it between steps (:class:`_CtrlC`) with a ``KeyboardInterrupt``.
+        """
         stop = self.total_steps
         if self.config.max_steps is not None:
             stop = min(stop, max(self.config.max_steps, self.step))
-        self._end_epoch(start)  # in case a run was stopped between an epoch and its report
-        while self.step < stop:
-            epoch = self.step // self.steps_per_epoch
-            self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
-            self._end_epoch(start)
-            self.save()
+        with self._ctrl_c:
+            self._end_epoch(start)  # in case a run was stopped between an epoch and its report
+            while self.step < stop:
+                self._ctrl_c.check()
+                epoch = self.step // self.steps_per_epoch
+                self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
+                self._end_epoch(start)
+                self.save()
 
     def _end_epoch(self, start: float) -> None:
         """Evaluates and reports at the end of an epoch, once."""
@@ -362,6 +408,7 @@ class _Run:
                 )
                 self.step += 1
                 self._pending.append((self.step, metrics))
+                self._ctrl_c.check()
                 bar.update()
                 if not bar.disable and (i % 10 == 0 or self.step == stop):
                     bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
