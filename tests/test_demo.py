@@ -347,6 +347,8 @@ BAD_OPTIONS = [
     (["--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
     (["--clip-norm", "0"], "--clip-norm 0.0: must be > 0"),
     (["--warmup-steps", "-2"], "--warmup-steps -2: must be >= 0"),
+    (["--seed", "-1"], "--seed -1: must be an integer from 0 to 2"),
+    (["--seed", str(2**70)], f"--seed {2**70}: must be an integer from 0 to 2"),
     (["--schedule", "warmup"], "--schedule warmup needs --warmup-steps"),
     (["--freeze", "conv("], "--freeze 'conv(': not a regular expression"),
     (["--freeze", "^nothing$"], "--freeze"),

@@ -99,6 +99,9 @@ def validate(config: Config, n_devices: int) -> None:
     lr = config.learning_rate
     need(math.isfinite(lr) and lr > 0, f"--lr {lr}: must be a finite number > 0")
     need(config.warmup_steps >= 0, f"--warmup-steps {config.warmup_steps}: must be >= 0")
+    need(  # numpy's and jax's random keys take 0 to 2**32 - 1
+        0 <= config.seed < 2**32, f"--seed {config.seed}: must be an integer from 0 to 2**32 - 1"
+    )
     need(
         config.schedule != "warmup" or config.warmup_steps > 0,
         "--schedule warmup needs --warmup-steps N with N >= 1",
