@@ -435,14 +435,28 @@ def test_resume_on_other_data_is_an_error(uninterrupted, small):
         train_and_evaluate(resume, fewer)
 
 
+def test_resuming_a_finished_run_reports_its_checkpoint(uninterrupted, small):
+    config, result = uninterrupted
+    # as `--checkpoint-dir DIR --resume` alone: every other setting at its default
+    bare = Config(checkpoint_dir=config.checkpoint_dir, resume=True, progress=False, devices=1)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        again = train_and_evaluate(bare, small)
+    assert again.step == result.step and again.checkpoint == result.checkpoint
+    assert f"checkpoint: {result.checkpoint}\n" in out.getvalue()
+    assert "note:" not in out.getvalue()  # defaults are not settings asked for
+
+
 def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tmp_path):
     _, expected = uninterrupted
     folder = str(tmp_path / "ckpt")
     stopped = train_and_evaluate(_config(checkpoint_dir=folder, max_steps=13), small)
     assert stopped.step == 13 and np.isnan(stopped.test_accuracy)
     assert int(gradtools.metrics(stopped.opt_state)["micro_step"]) == 3  # a half-filled window
-    # Resuming takes the settings from the checkpoint: a different lr is ignored.
-    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True, lr=1.0), small)
+    # Resuming takes the settings from the checkpoint: a different lr is ignored, and
+    # said so; settings left at their defaults are not listed.
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True, lr=1.0), small)
+    assert "note: continuing with the checkpoint's settings, not lr=1.0\n" in out.getvalue()
     assert resumed.step == expected.step
     _assert_trees_equal(resumed.params, expected.params)
     _assert_trees_equal(resumed.opt_state, expected.opt_state)

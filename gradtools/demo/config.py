@@ -139,13 +139,17 @@ def resumed(config: Config, saved: dict[str, Any]) -> tuple[Config, list[str]]:
     Returns:
       The settings to continue with: the checkpoint's, except for
       :data:`RUN_OPTIONS`, which come from ``config``; and ``'name=value'``
-      for each setting of ``config`` that is ignored because it differs.
+      for each setting of ``config`` that is ignored because it differs. A
+      setting left at its default is taken as not asked for, and not listed.
     """
     saved = {**saved, "freeze": tuple(saved["freeze"])}
     merged = Config(**{**saved, **{k: getattr(config, k) for k in RUN_OPTIONS}})
+    defaults = Config()
     ignored = [
         f"{k}={getattr(config, k)!r}"
         for k in saved
-        if k not in RUN_OPTIONS and getattr(config, k) != saved[k]
+        if k not in RUN_OPTIONS
+        and getattr(config, k) != saved[k]
+        and getattr(config, k) != getattr(defaults, k)
     ]
     return merged, ignored

@@ -178,10 +178,13 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
             f"{config.epochs} epoch{'s' * (config.epochs != 1)} ({run.step:,} steps) "
             f"in {elapsed:.1f} s"
         )
-    _log(f"checkpoint: {run.written or 'not saved (pass --checkpoint-dir DIR)'}")
+    written = run.written
+    if written is None and run.ckpt is not None and run.ckpt.latest_step() == run.step:
+        written = run.ckpt.path(run.step)  # resumed a finished run: nothing new to save
+    _log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
     if plot:
         _log(f"plot: {plot}")
-    return Result(run.params, run.opt_state, run.step, accuracy, run.history, run.written, plot)
+    return Result(run.params, run.opt_state, run.step, accuracy, run.history, written, plot)
 
 
 class _Programs(NamedTuple):
