@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -212,10 +213,46 @@ def _counts(text: str) -> tuple[int, ...]:
     return tuple(parse_count(t) for t in text.split(",") if t.strip())
 
 
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``p.error`` (status 2, one line) for a bad option value."""
+    from benchmarks.cases import update_cases
+    from benchmarks.update import _groups
+
+    def names(flag: str, text: str | None, known: Sequence[str]) -> None:
+        unknown = [t.strip() for t in (text or "").split(",") if t.strip() not in known]
+        if text is not None and unknown:
+            p.error(f"{flag} {text!r}: unknown {unknown}; choose from {','.join(known)}")
+
+    def check(flag: str, text: str | None, parse: Callable[[str], Any]) -> None:
+        if text is not None:
+            try:
+                parse(text)
+            except (ValueError, IndexError, re.error) as e:
+                p.error(f"{flag} {text!r}: {e}")
+
+    def positive_counts(text: str) -> None:
+        if not all(c >= 1 for c in _counts(text)) or not _counts(text):
+            raise ValueError("every count must be >= 1, e.g. 1M,16M or 8,1000")
+
+    names("--sections", args.sections, SECTIONS)
+    names("--groups", args.groups, _groups(update_cases()))
+    for flag in ("--sizes", "--leaves", "--compile-leaves", "--memory-size"):
+        check(flag, getattr(args, flag[2:].replace("-", "_")), positive_counts)
+    check("--configs", args.configs, parse_configs)
+    for flag in ("--match", "--compile-match"):
+        check(flag, getattr(args, flag[2:].replace("-", "_")), re.compile)
+    for flag in ("--reps", "--compile-reps", "--lenet-batch"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value < 1:
+            p.error(f"{flag} {value}: must be >= 1")
+    if args.from_json and not Path(args.from_json).is_file():
+        p.error(f"--from-json {args.from_json}: no such file")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The command line; returns the results (for tests)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of about a minute")
     p.add_argument("--sections", help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--sizes", help="param counts for the update section, e.g. 1M,16M,64M")
     p.add_argument("--leaves", help="leaf counts for the update section, e.g. 8,1000")
@@ -257,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "benchmarks/ANALYSIS.md)",
     )
     args = p.parse_args(argv)
+    _check_args(p, args)
 
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())

@@ -176,3 +176,24 @@ def test_parse_configs():
     assert got == ((1 << 20, 8, None), (64 << 20, 1000, ("loss_scale", "accumulate")))
     with pytest.raises(ValueError, match="SIZE:LEAVES"):
         cli.parse_configs("64M")
+
+
+BAD_ARGS = [
+    (["--sections", "foo"], "--sections 'foo': unknown ['foo']; choose from update,compile"),
+    (["--groups", "clip,foo"], "--groups 'clip,foo': unknown ['foo']; choose from clip,"),
+    (["--sizes", "3X"], "--sizes '3X': could not convert"),
+    (["--leaves", "0"], "--leaves '0': every count must be >= 1"),
+    (["--configs", "1M"], "expected SIZE:LEAVES[:GROUP+GROUP]"),
+    (["--match", "("], "--match '(': missing )"),
+    (["--reps", "0"], "--reps 0: must be >= 1"),
+    (["--from-json", "no/such.json"], "--from-json no/such.json: no such file"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_options_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
