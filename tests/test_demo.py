@@ -409,11 +409,17 @@ def test_frozen_conv_params_stay_bit_identical(uninterrupted, small):
         assert np.mean(changed) > 0.5, name
 
 
-def test_eval_only_reproduces_the_final_accuracy(uninterrupted, small):
+def test_eval_only_reproduces_the_final_accuracy(uninterrupted, small, tmp_path):
     config, result = uninterrupted
+    png = str(tmp_path / "history.png")
     evaluated = train_and_evaluate(
-        Config(checkpoint_dir=config.checkpoint_dir, eval_only=True, devices=1), small
+        Config(checkpoint_dir=config.checkpoint_dir, eval_only=True, devices=1, plot=png), small
     )
+    assert evaluated.plot == png and os.path.getsize(png) > 0  # the checkpoint's history
+    with pytest.raises(ConfigError, match="--resume and --eval-only exclude each other"):
+        train_and_evaluate(
+            Config(checkpoint_dir=str(tmp_path / "empty"), eval_only=True, resume=True), small
+        )
     assert evaluated.test_accuracy == result.test_accuracy
     assert evaluated.step == result.step
     _assert_trees_equal(evaluated.params, result.params)

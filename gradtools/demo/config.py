@@ -126,7 +126,6 @@ def validate(config: Config, n_devices: int) -> None:
         folder = os.path.dirname(os.path.abspath(config.plot))
         need(config.plot.lower().endswith(".png"), f"--plot {config.plot}: must end in .png")
         need(os.path.isdir(folder), f"--plot {config.plot}: no directory {folder}")
-    need(not (config.resume and config.eval_only), "--resume and --eval-only exclude each other")
 
 
 def resumed(config: Config, saved: dict[str, Any]) -> tuple[Config, list[str]]:

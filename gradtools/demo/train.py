@@ -148,7 +148,10 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
             f"test accuracy {accuracy:.2f}% ({len(run.ds.test_labels):,} digits), "
             f"checkpoint at step {run.step:,}: {path}"
         )
-        return Result(run.params, run.opt_state, run.step, accuracy, run.history, path, None)
+        plot = _plot(run.history, config.plot)
+        if plot:
+            _log(f"plot: {plot}")
+        return Result(run.params, run.opt_state, run.step, accuracy, run.history, path, plot)
     _log(run.describe())
     try:
         run.train(start)
@@ -164,11 +167,7 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
         raise
     stopped = run.step < run.total_steps
     accuracy = float("nan") if stopped else run.history["epoch"]["test_accuracy"][-1]
-    plot = None
-    if config.plot and jax.process_index() == 0:
-        from gradtools.demo.plot import plot_history
-
-        plot = plot_history(run.history, config.plot)
+    plot = _plot(run.history, config.plot)
     elapsed = time.perf_counter() - start
     if stopped:
         _log(f"stopped at step {run.step:,} of {run.total_steps:,} after {elapsed:.1f} s")
@@ -185,6 +184,15 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     if plot:
         _log(f"plot: {plot}")
     return Result(run.params, run.opt_state, run.step, accuracy, run.history, written, plot)
+
+
+def _plot(history: dict[str, Any], path: str | None) -> str | None:
+    """Plots ``history`` to ``path`` (on the first host) and returns the file written."""
+    if not path or jax.process_index() != 0:
+        return None
+    from gradtools.demo.plot import plot_history
+
+    return plot_history(history, path)
 
 
 class _Programs(NamedTuple):
@@ -248,6 +256,8 @@ class _Run:
         latest = self.ckpt.latest_step() if self.ckpt else None
         meta = None
         if config.resume or config.eval_only:
+            if config.resume and config.eval_only:
+                raise ConfigError("--resume and --eval-only exclude each other")
             if config.checkpoint_dir is None:
                 flag = "--resume" if config.resume else "--eval-only"
                 raise ConfigError(f"{flag} needs --checkpoint-dir")
