@@ -106,10 +106,11 @@ class _CtrlC:
             self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
+        # No printing here: a handler that writes to a stream the loop is writing
+        # to raises RuntimeError (a reentrant call) in the middle of the step.
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        _log("stopping after this step (Ctrl-C again to stop at once)")
 
     def check(self) -> None:
         """Raises ``KeyboardInterrupt`` if a stop was asked for."""
