@@ -30,6 +30,7 @@ from gradtools.demo import LeNet5
 from gradtools.demo import data
 from gradtools.demo import train_and_evaluate
 from gradtools.demo.__main__ import main
+from gradtools.demo.checkpoint import Checkpoints
 from gradtools.demo.model import ConvReluPool
 from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
@@ -522,6 +523,27 @@ def test_ctrl_c_during_a_step_stops_after_it_and_saves(uninterrupted, small, tmp
     resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
     _assert_trees_equal(resumed.params, expected.params)
     _assert_trees_equal(resumed.opt_state, expected.opt_state)
+    assert resumed.history == expected.history
+
+
+def test_ctrl_c_during_the_epoch_checkpoint_keeps_it(uninterrupted, small, tmp_path, monkeypatch):
+    _, expected = uninterrupted
+    folder = str(tmp_path / "ckpt")
+    real = Checkpoints.save
+
+    def save(self, step, state, meta):
+        out = real(self, step, state, meta)
+        if step == STEPS_PER_EPOCH:  # Ctrl-C while the first epoch's checkpoint is written
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+        return out
+
+    monkeypatch.setattr(Checkpoints, "save", save)
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(_config(checkpoint_dir=folder), small)
+    monkeypatch.undo()
+    assert sorted(os.listdir(folder)) == ["10"]
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
+    _assert_trees_equal(resumed.params, expected.params)
     assert resumed.history == expected.history
 
 

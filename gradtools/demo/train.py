@@ -344,7 +344,9 @@ class _Run:
 
     def save(self) -> str | None:
         """Checkpoints the run at its current step, if it has a checkpoint directory."""
-        if self.ckpt is not None:
+        if self.ckpt is not None and self.ckpt.latest_step() == self.step:
+            self.written = self.ckpt.path(self.step)  # saved already (Ctrl-C during a save)
+        elif self.ckpt is not None:
             meta = {
                 "config": dataclasses.asdict(self.config),
                 "steps_per_epoch": self.steps_per_epoch,
