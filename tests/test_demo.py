@@ -471,11 +471,32 @@ def test_resume_after_a_stop_mid_epoch_is_bit_identical(uninterrupted, small, tm
     assert resumed.test_accuracy == expected.test_accuracy
 
 
+def _ctrl_c_then_resume(small, folder, expected, checkpoints, monkeypatch):
+    """A run interrupted as the test's patches arrange: its checkpoints, then a resume.
+
+    The run must raise KeyboardInterrupt, leave the steps ``checkpoints`` saved and
+    SIGINT's handler as it was, and resume to the uninterrupted run bit for bit.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        train_and_evaluate(_config(checkpoint_dir=folder), small)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert sorted(os.listdir(folder), key=int) == checkpoints
+    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
+    _assert_trees_equal(resumed.params, expected.params)
+    _assert_trees_equal(resumed.opt_state, expected.opt_state)
+    assert resumed.history == expected.history
+
+
+def _ctrl_c() -> None:
+    """What Ctrl-C does: SIGINT's current handler runs."""
+    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+
+
 def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_identically(
     uninterrupted, small, tmp_path, monkeypatch
 ):
-    _, expected = uninterrupted
-    folder = str(tmp_path / "ckpt")
     calls, preprocess = [], data.preprocess
 
     def interrupted_preprocess(images):  # the 17th call: step 16 (the 11th is the evaluation)
@@ -485,21 +506,13 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_identically(
         return preprocess(images)
 
     monkeypatch.setattr(data, "preprocess", interrupted_preprocess)
-    with pytest.raises(KeyboardInterrupt):
-        train_and_evaluate(_config(checkpoint_dir=folder), small)
-    monkeypatch.undo()
-    assert sorted(os.listdir(folder)) == ["10", "15"]  # after epoch 1, and at Ctrl-C
-    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
-    _assert_trees_equal(resumed.params, expected.params)
-    _assert_trees_equal(resumed.opt_state, expected.opt_state)
-    assert resumed.history == expected.history
+    # after epoch 1, and at Ctrl-C
+    _ctrl_c_then_resume(small, str(tmp_path / "c"), uninterrupted[1], ["10", "15"], monkeypatch)
 
 
 def test_ctrl_c_during_a_step_stops_after_it_and_saves(uninterrupted, small, tmp_path, monkeypatch):
     """The step in flight holds the donated params and state: stopping inside it loses them."""
-    _, expected = uninterrupted
-    folder = str(tmp_path / "ckpt")
-    train_module, handler = sys.modules["gradtools.demo.train"], signal.getsignal(signal.SIGINT)
+    train_module = sys.modules["gradtools.demo.train"]
     real = train_module._programs
 
     def programs_with_ctrl_c(*args):
@@ -509,42 +522,27 @@ def test_ctrl_c_during_a_step_stops_after_it_and_saves(uninterrupted, small, tmp
             out = programs.train_step(*a, **kw)  # this step's inputs are donated by now
             calls.append(None)
             if len(calls) == 16:  # Ctrl-C arrives before the step returns its outputs
-                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+                _ctrl_c()
             return out
 
         return programs._replace(train_step=train_step)
 
     monkeypatch.setattr(train_module, "_programs", programs_with_ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
-        train_and_evaluate(_config(checkpoint_dir=folder), small)
-    monkeypatch.undo()
-    assert signal.getsignal(signal.SIGINT) is handler  # restored
-    assert sorted(os.listdir(folder)) == ["10", "16"]  # after epoch 1, and after step 16
-    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
-    _assert_trees_equal(resumed.params, expected.params)
-    _assert_trees_equal(resumed.opt_state, expected.opt_state)
-    assert resumed.history == expected.history
+    # after epoch 1, and after step 16
+    _ctrl_c_then_resume(small, str(tmp_path / "c"), uninterrupted[1], ["10", "16"], monkeypatch)
 
 
 def test_ctrl_c_during_the_epoch_checkpoint_keeps_it(uninterrupted, small, tmp_path, monkeypatch):
-    _, expected = uninterrupted
-    folder = str(tmp_path / "ckpt")
     real = Checkpoints.save
 
     def save(self, step, state, meta):
         out = real(self, step, state, meta)
         if step == STEPS_PER_EPOCH:  # Ctrl-C while the first epoch's checkpoint is written
-            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+            _ctrl_c()
         return out
 
     monkeypatch.setattr(Checkpoints, "save", save)
-    with pytest.raises(KeyboardInterrupt):
-        train_and_evaluate(_config(checkpoint_dir=folder), small)
-    monkeypatch.undo()
-    assert sorted(os.listdir(folder)) == ["10"]
-    resumed = train_and_evaluate(_config(checkpoint_dir=folder, resume=True), small)
-    _assert_trees_equal(resumed.params, expected.params)
-    assert resumed.history == expected.history
+    _ctrl_c_then_resume(small, str(tmp_path / "c"), uninterrupted[1], ["10"], monkeypatch)
 
 
 def test_cli_exits_130_on_ctrl_c(monkeypatch):
