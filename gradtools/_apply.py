@@ -16,10 +16,11 @@ from typing import Any
 
 import jax
 import optax
+from jax import lax
 
 from gradtools import _tree
 
-__all__ = ["inner_step", "recorded", "register", "step_or_skip", "update_and_apply"]
+__all__ = ["cond", "inner_step", "recorded", "register", "step_or_skip", "update_and_apply"]
 
 #: ``tx.update`` -> ``apply(grads, state, params, **extra_args) -> (params, state)``.
 _FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
@@ -93,22 +94,36 @@ def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[...
     return run, types
 
 
-def step_or_skip(
-    step: Callable[..., Any], fused: bool, params: Any, state: Any
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The two branches of ``lax.cond(pred, run, skip, *args)`` around an optimizer step.
+def cond(pred: jax.Array, run: Callable[..., Any], skip: Callable[..., Any], *operands: Any) -> Any:
+    """``lax.cond(pred, run, skip, *operands)`` around an optimizer step ``run``.
 
-    ``run`` is ``step``, which returns ``(updates, new_state)`` (fused,
-    ``(new_params, new_state)``). ``skip`` runs no optimizer: it returns
-    ``(params, state)`` when fused, else zero updates shaped like ``step``'s
-    (:func:`recorded`) and ``state``, each varying over the mesh axes of
-    ``step``'s output.
+    ``skip`` runs no optimizer. It is called as ``skip(types, *operands)``,
+    with the types of ``run``'s outputs (:func:`recorded`), so that it can
+    return arrays shaped like them. Its outputs are marked as varying over the
+    mesh axes ``run``'s vary over inside ``jax.shard_map``
+    (:func:`gradtools._tree.vary_like`), which ``lax.cond`` requires there.
     """
-    run, types = recorded(step)
+    run, types = recorded(run)
 
-    def skip(*args: Any) -> Any:
+    def other(*args: Any) -> Any:
         like = types(*args)
-        out = (params, state) if fused else (_tree.zeros_like_shapes(like[0]), state)
-        return _tree.vary_like(out, like)
+        return _tree.vary_like(skip(like, *args), like)
 
-    return run, skip
+    return lax.cond(pred, run, other, *operands)
+
+
+def step_or_skip(
+    pred: jax.Array, step: Callable[..., Any], fused: bool, params: Any, state: Any, *operands: Any
+) -> tuple[Any, Any]:
+    """``step(*operands)`` where ``pred`` holds, else no optimizer work (one :func:`cond`).
+
+    ``step`` returns ``(updates, new_state)`` (fused, ``(new_params,
+    new_state)``). Where ``pred`` does not hold the result is ``(params,
+    state)`` when fused, else zero updates shaped like ``step``'s and ``state``.
+    """
+
+    def skip(like: Any, *args: Any) -> Any:
+        del args
+        return (params, state) if fused else (_tree.zeros_like_shapes(like[0]), state)
+
+    return cond(pred, step, skip, *operands)

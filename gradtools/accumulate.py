@@ -30,7 +30,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
@@ -117,7 +116,7 @@ def _emit_or_hold(
             stash = [u.shape == a.shape and u.dtype == dtype for u, a in zip(u_leaves, acc_leaves)]
         return u_def, u_leaves, stash
 
-    def emit_branch(acc):  # recorded below: the hold branch matches its mesh axes
+    def emit_branch(acc):
         updates, new_inner = emit(acc)
         u_def, _, stash = plan()
         done, buffers = u_def.flatten_up_to(updates), jax.tree.leaves(acc)
@@ -125,16 +124,11 @@ def _emit_or_hold(
             buffers = [u.astype(dtype) if ok else b for u, b, ok in zip(done, buffers, stash)]
         return buffers, [u for u, ok in zip(done, stash) if not ok], new_inner
 
-    emit_branch, branch_types = _apply.recorded(emit_branch)
-
-    def hold_branch(acc):
-        _, u_leaves, stash = plan()
-        own = [u for u, ok in zip(u_leaves, stash) if not ok]
-        out = jax.tree.leaves(acc), _tree.zeros_like_shapes(own), inner_state
-        return _tree.vary_like(out, branch_types(acc))
+    def hold_branch(like, acc):  # like: the types of emit_branch's outputs
+        return jax.tree.leaves(acc), _tree.zeros_like_shapes(like[1]), inner_state
 
     # hold is branch 0: XLA then forwards the buffer and inner state without copies.
-    buffers, extra, inner_state = lax.cond(emitting, emit_branch, hold_branch, acc)
+    buffers, extra, inner_state = _apply.cond(emitting, emit_branch, hold_branch, acc)
     u_def, u_leaves, stash = plan()
     out = list(extra)
     if any(stash):
@@ -305,8 +299,9 @@ def accumulate(
             if take is None:
                 new_updates, inner_state = apply(updates)
             else:
-                branches = _apply.step_or_skip(apply, fused, params, state.inner_state)
-                new_updates, inner_state = lax.cond(take, *branches, updates)
+                new_updates, inner_state = _apply.step_or_skip(
+                    take, apply, fused, params, state.inner_state, updates
+                )
             return new_updates, state._replace(dropped_micro_steps=dropped, inner_state=inner_state)
 
         # A window that is not open (micro_step == 0) may still hold the sum of the
@@ -344,13 +339,11 @@ def accumulate(
                 new_params, new_inner = emit(acc)
                 return new_params, acc, new_inner
 
-            emit_and_apply, emitted_types = _apply.recorded(emit_and_apply)
+            def hold(like, acc):
+                del like
+                return params, acc, state.inner_state
 
-            def hold(acc):
-                out = params, acc, state.inner_state
-                return _tree.vary_like(out, emitted_types(acc))
-
-            new_updates, acc_grads, inner_state = lax.cond(
+            new_updates, acc_grads, inner_state = _apply.cond(
                 emitting, emit_and_apply, hold, acc_grads
             )
         else:

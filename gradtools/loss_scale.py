@@ -195,8 +195,9 @@ def _loss_scaler(
                 return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
 
         if skip_nonfinite:
-            branches = _apply.step_or_skip(run, fused, params, state.inner_state)
-            out, inner_state = lax.cond(finite, *branches, None)
+            out, inner_state = _apply.step_or_skip(
+                finite, run, fused, params, state.inner_state, None
+            )
         else:
             out, inner_state = run(None)
 
