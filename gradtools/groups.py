@@ -468,7 +468,9 @@ def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], str]:
     a = _array(leaf)
     if not (hasattr(a, "shape") and hasattr(a, "dtype")):
         a = np.asarray(a)
-    return tuple(a.shape), np.dtype(a.dtype).name
+    # The dtype JAX computes in: a Python float or a NumPy float64 array is
+    # float32 inside a jitted step unless x64 is on.
+    return tuple(a.shape), np.dtype(jax.dtypes.canonicalize_dtype(a.dtype)).name
 
 
 def decay_mask(params: Any) -> Any:

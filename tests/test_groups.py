@@ -468,6 +468,16 @@ def test_describe_labels_dtypes_and_shape_structs():
     ]
 
 
+def test_describe_shows_the_dtype_jax_computes_in():
+    # jnp.asarray is the reference: a Python float and a NumPy float64 array
+    # become float32 in a step unless x64 is on.
+    params = {"lr": 0.5, "n": 3, "w": np.ones(2), "h": np.ones(2, np.float16)}
+    rows = [line.split() for line in gradtools.describe(params).splitlines()[2:6]]
+    expected = {k: jnp.asarray(v).dtype.name for k, v in params.items()}
+    assert {row[0]: row[2] for row in rows} == expected
+    assert expected["lr"] == "float32" and expected["w"] == "float32"
+
+
 # -- conformance ---------------------------------------------------------------------------------
 
 
