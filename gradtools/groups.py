@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradtools import _apply
 from gradtools import _checks
 from gradtools import _tree
 
@@ -299,13 +300,26 @@ def _init_groups(txs: list[Any], params: Any, index: list[int]) -> tuple[Any, ..
     return tuple(tx.init(_only(params, index, g)) for g, tx in enumerate(txs))
 
 
-def _update_groups(txs, states, updates, params, index, extra_args):
-    """Runs each group's transform on its own leaves and merges the updates."""
+def _update_groups(txs, states, updates, params, index, extra_args, fused=False):
+    """Runs each group's transform on its own leaves and merges the results.
+
+    Returns the updates, or with ``fused`` the new params: each group then takes
+    its own fast path (:func:`gradtools._apply.update_and_apply`), and a frozen
+    group leaves its params as they are instead of adding zeros to them.
+    """
     _, leaves, treedef = _flatten(updates)
     out, new_states = list(leaves), []
     for g, (tx, state) in enumerate(zip(txs, states)):
         group_params = None if params is None else _only(params, index, g)
-        new, state = tx.update(_only(updates, index, g), state, group_params, **extra_args)
+        group_updates = _only(updates, index, g)
+        if fused and _is_frozen(tx):
+            new = group_params
+        elif fused:
+            new, state = _apply.update_and_apply(
+                tx, group_updates, state, group_params, **extra_args
+            )
+        else:
+            new, state = tx.update(group_updates, state, group_params, **extra_args)
         for j, x in enumerate(treedef.flatten_up_to(new)):
             if index[j] == g:
                 out[j] = x
@@ -373,14 +387,21 @@ def param_groups(
     def init_fn(params):
         return ParamGroupsState(_init_groups(txs, params, index_of(params)))
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def step(updates, state, params, extra_args, fused):
         _tree.check_like("param_groups", updates, params)
         index = index_of(updates)
-        updates, states = _update_groups(
-            txs, state.group_states, updates, params, index, extra_args
+        out, states = _update_groups(
+            txs, state.group_states, updates, params, index, extra_args, fused
         )
-        return updates, ParamGroupsState(states)
+        return out, ParamGroupsState(states)
 
+    def update_fn(updates, state, params=None, **extra_args):
+        return step(updates, state, params, extra_args, fused=False)
+
+    def apply_fn(grads, state, params, **extra_args):
+        return step(grads, state, params, extra_args, fused=True)
+
+    _apply.register(update_fn, apply_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -399,6 +420,10 @@ def freeze(
     ``optax.adam`` a frozen half of a model costs no ``mu``/``nu``, and a
     global-norm clip inside ``inner`` measures the trainable gradients only,
     as PyTorch's ``clip_grad_norm_`` skips parameters without gradients.
+    Put ``freeze`` outermost, around a loss scaler and :func:`gradtools.accumulate`:
+    they then neither check nor buffer the frozen gradients, nothing reads
+    them, and under ``jax.jit`` XLA drops their computation. Through
+    :func:`gradtools.apply_gradients` the frozen params are not touched at all.
 
     Args:
       inner: the optimizer of the trainable parameters.
@@ -449,13 +474,20 @@ def freeze(
     def init_fn(params):
         return FreezeState(_init_groups(txs, params, index_of(params))[0])
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def step(updates, state, params, extra_args, fused):
         _tree.check_like("freeze", updates, params)
         states = (state.inner_state, optax.EmptyState())
         index = index_of(updates)
-        updates, states = _update_groups(txs, states, updates, params, index, extra_args)
-        return updates, FreezeState(states[0])
+        out, states = _update_groups(txs, states, updates, params, index, extra_args, fused)
+        return out, FreezeState(states[0])
 
+    def update_fn(updates, state, params=None, **extra_args):
+        return step(updates, state, params, extra_args, fused=False)
+
+    def apply_fn(grads, state, params, **extra_args):
+        return step(grads, state, params, extra_args, fused=True)
+
+    _apply.register(update_fn, apply_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -242,6 +242,18 @@ _TRANSFORMS = {
     "dynamic(inject_hyperparams(adam))": lambda: gradtools.dynamic_loss_scale(
         optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), init_scale=64.0
     ),
+    "freeze(dynamic(clip+adam))": lambda: gradtools.freeze(
+        gradtools.dynamic_loss_scale(
+            optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(1e-2)), init_scale=64.0
+        ),
+        r"^b",
+    ),
+    "param_groups(frozen, default=dynamic(accumulate(adam, 2)))": lambda: gradtools.param_groups(
+        [(r"^b", gradtools.frozen())],
+        default=gradtools.dynamic_loss_scale(
+            gradtools.accumulate(optax.adam(1e-2), 2), init_scale=64.0
+        ),
+    ),
     "adam, no scaler": lambda: optax.adam(1e-2),
     "accumulate(adam, 3)": lambda: gradtools.accumulate(optax.adam(1e-2), 3),
     "accumulate(adam, 3), skip micro-steps": lambda: gradtools.accumulate(
@@ -257,6 +269,8 @@ _SKIPPING = {
     "fixed(sgd momentum)",
     "dynamic(accumulate(adam, 2))",
     "dynamic(inject_hyperparams(adam))",
+    "freeze(dynamic(clip+adam))",
+    "param_groups(frozen, default=dynamic(accumulate(adam, 2)))",
     "accumulate(adam, 3), skip micro-steps",
     "accumulate(adam, 1), skip micro-steps",
 }
@@ -365,6 +379,37 @@ def test_apply_gradients_applies_inside_the_loss_scalers_branch():
         )
         # only the buffer's read-add-write is left outside the cond: no params + updates
         assert len(fused) == len(_adds_outside_cond(by_hand, params, state, grads)) - 2
+
+
+def test_apply_gradients_through_freeze_takes_the_inner_fast_path():
+    """``freeze`` outermost: the loss scaler applies inside its branch, the frozen
+    params are not read, and their gradients are neither checked nor computed."""
+    tx = gradtools.freeze(gradtools.dynamic_loss_scale(optax.adam(1e-3)), r"^v")
+    params = {"w": jnp.ones(1000), "v": jnp.full((10, 10), -0.0)}
+    state, grads = tx.init(params), jax.tree.map(jnp.ones_like, params)
+
+    def fused(p, s, g):
+        return gradtools.apply_gradients(tx, g, s, p)
+
+    def by_hand(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    assert len(_adds_outside_cond(by_hand, params, state, grads)) == 2  # the check can fail
+    assert _adds_outside_cond(fused, params, state, grads) == []
+    # An overflow in a frozen gradient skips nothing: the scaler never sees it.
+    grads["v"] = grads["v"].at[0, 0].set(jnp.inf)
+    new, state = jax.jit(fused)(params, state, grads)
+    assert bool(gradtools.metrics(state)["finite"])
+    np.testing.assert_allclose(new["w"], 1.0 - 1e-3, rtol=1e-6)  # Adam's first step: lr * sign
+    assert np.signbit(new["v"]).all()  # bit for bit: not even -0.0 + 0.0
+
+    def loss(p):
+        return jnp.sum(p["w"] ** 2) + jnp.sum(jnp.sin(p["v"]) ** 2)
+
+    step = jax.jit(gradtools.train_step(loss, tx))
+    hlo = step.lower(params, tx.init(params)).compile().as_text()
+    assert " sine(" in hlo and " cosine(" not in hlo  # the loss needs sin; only its backward cos
 
 
 @pytest.mark.skipif(

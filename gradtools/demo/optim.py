@@ -2,18 +2,21 @@
 
 Every gradtools transform has its place in the chain::
 
-  accumulate(                      # --accum-steps: add micro-batch gradients
-    dynamic_loss_scale(            # --loss-scale: unscale, skip a non-finite window
-      freeze(                      # --freeze: zero updates, no state
-        chain(clip_by_global_norm, # --clip-norm
-              inject_hyperparams(sgd | adam | adamw)(learning_rate=schedule)),
-        patterns)),
-    every_k)
+  freeze(                            # --freeze: zero updates, no state
+    accumulate(                      # --accum-steps: add micro-batch gradients
+      dynamic_loss_scale(            # --loss-scale: unscale, skip a non-finite window
+        chain(clip_by_global_norm,   # --clip-norm
+              inject_hyperparams(sgd | adam | adamw)(learning_rate=schedule))),
+      every_k),
+    patterns)
 
-The loss scaler sits inside ``accumulate``, so an overflow in any micro-batch
-skips its whole window and backs the scale off once (MindSpore's
-``accu_overflow``); ``inject_hyperparams`` puts the learning rate where
-``gradtools.metrics`` finds it.
+``freeze`` is outermost, so nothing inside it sees the frozen gradients: the
+buffer holds no copy of them, the loss scaler does not check them, and XLA
+drops the backward pass that only they need. The loss scaler sits inside
+``accumulate``, so an overflow in any micro-batch skips its whole window and
+backs the scale off once (MindSpore's ``accu_overflow``);
+``inject_hyperparams`` puts the learning rate where ``gradtools.metrics``
+finds it.
 """
 
 from __future__ import annotations
@@ -73,12 +76,12 @@ def make_optimizer(config: Config, total_updates: int) -> optax.GradientTransfor
         tx = adamw(learning_rate=lr, weight_decay=1e-4, mask=gradtools.decay_mask)
     if config.clip_norm is not None:
         tx = optax.chain(gradtools.clip_by_global_norm(config.clip_norm), tx)
-    if config.freeze:
-        tx = gradtools.freeze(tx, list(config.freeze))
     if config.loss_scale == "dynamic":
         tx = gradtools.dynamic_loss_scale(tx)
     elif config.loss_scale == "fixed":
         tx = gradtools.fixed_loss_scale(tx)
     if config.accum_steps > 1:
         tx = gradtools.accumulate(tx, config.accum_steps)
+    if config.freeze:
+        tx = gradtools.freeze(tx, list(config.freeze))
     return tx
