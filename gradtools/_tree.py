@@ -58,7 +58,16 @@ def zeros_like_shapes(shapes: Any) -> Any:
     made XLA's compile time of a loss-scaled optimizer 1.7x longer, and the
     growth faster than linear in the number of leaves.
     """
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def zeros(s: Any) -> jax.Array:
+        # Under explicit mesh axes a type carries its sharding, which lax.cond's
+        # two branches must agree on; elsewhere the spec has no axes to keep.
+        sharding = getattr(s, "sharding", None)
+        if any(getattr(sharding, "spec", ())):
+            return jnp.zeros(s.shape, s.dtype, out_sharding=sharding)
+        return jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(zeros, shapes)
 
 
 def vary_like(tree: Any, types: Any) -> Any:

@@ -373,6 +373,38 @@ def test_sharded_params_keep_their_layout_and_values(row_id):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize("row_id", IDS)
+def test_explicit_mesh_axes_keep_layout_and_values(row_id, fused):
+    """Params laid out over explicit mesh axes, whose types carry their sharding.
+
+    Both branches of every ``lax.cond`` must then agree on it, and
+    ``TrainState.apply_gradients`` and ``nnx.Optimizer`` take the ``update``
+    path; each leaf must keep its layout and the reference values.
+    """
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=explicit)
+    use_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # jax < 0.8: use_mesh
+    shardings = standard_tree(lambda shape, dtype, spec: NamedSharding(mesh, spec))
+    tx = build(row_id)
+
+    def step(params, state, grads):
+        if fused:
+            new_params, state = gradtools.apply_gradients(tx, grads, state, params)
+            return new_params, state, None
+        return step_fn(tx)(params, state, grads)
+
+    with use_mesh(mesh):
+        params, grads = params_and_grads()
+        params = jax.device_put(params, shardings)
+        grads = [jax.device_put(g, shardings) for g in grads]
+        got, _, state, _ = run(jax.jit(step), tx, params, grads)
+    (want, _, want_state, _), _ = reference(row_id)
+    assert_same((got, state), (want, want_state), exact=False)
+    for leaf, sharding in zip(jax.tree.leaves(got), jax.tree.leaves(shardings)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("row_id", IDS)
 def test_runs_inside_shard_map_on_per_device_values(row_id, fused):
     """Four devices each train a copy inside ``jax.shard_map`` (``check_vma`` on).
 
