@@ -83,7 +83,14 @@ def _in_float32(name: str, value: Any, ok: Callable[[float], bool], what: str) -
         v32 = float(np.float32(v)) if math.isfinite(v) else v
     if not ok(v32):
         rounded = "" if v32 == v else f" (float32 rounds it to {v32})"
-        raise ValueError(f"{name}={value!r} must be {what}{rounded}")
+        hint = ""
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            hint = (
+                "; optax.inject_hyperparams casts hyperparameters to the params' dtype:"
+                " pass it hyperparam_dtype=jnp.float32"
+            )
+        raise ValueError(f"{name}={value!r} must be {what}{rounded}{hint}")
 
 
 def finite_positive(name: str, value: Any) -> None:

@@ -158,7 +158,9 @@ def _loss_scaler(
 
     def init_fn(params):
         return LossScaleState(
-            loss_scale=jnp.asarray(init_scale, jnp.float32),
+            # A copy: an array init_scale (inject_hyperparams keeps one) must not
+            # share its buffer with the state, or donating the state fails.
+            loss_scale=jnp.array(init_scale, jnp.float32, copy=True),
             good_steps=jnp.zeros([], jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),
             finite=jnp.ones([], jnp.bool_),
@@ -250,7 +252,10 @@ def dynamic_loss_scale(
         skipped_steps += 1
 
     The branch is a ``lax.cond``, so a skipped step does no optimizer work.
-    ``grads`` are the gradients of ``scale_loss(loss, opt_state)``.
+    ``grads`` are the gradients of ``scale_loss(loss, opt_state)``. Under
+    ``optax.inject_hyperparams`` with half-precision params, pass
+    ``hyperparam_dtype=jnp.float32``: optax casts the hyperparameters to the
+    params' dtype, where the default ``max_scale`` is inf in float16.
 
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``) to protect.

@@ -382,6 +382,53 @@ def test_injected_fixed_scale_takes_effect_from_the_next_step():
     np.testing.assert_array_equal(u["w"], [-1.0, -1.0])
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.inject_hyperparams(gradtools.dynamic_loss_scale)(
+            optax.sgd(0.1), init_scale=8.0
+        ),
+        lambda: optax.inject_hyperparams(gradtools.fixed_loss_scale)(optax.sgd(0.1), scale=8.0),
+        lambda: gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=jnp.float32(8.0)),
+    ],
+    ids=["inject(dynamic)", "inject(fixed)", "array init_scale"],
+)
+def test_state_can_be_donated_when_the_scale_is_an_array(make):
+    """The documented ``jit(step, donate_argnums=(0, 1))`` with an array scale.
+
+    XLA refuses to donate one buffer twice, and a donated hyperparameter would
+    be deleted under the transform that still holds it.
+    """
+    tx = make()
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    leaves = jax.tree.leaves(state)
+    assert len({id(x) for x in leaves}) == len(leaves)  # no buffer appears twice
+    step = jax.jit(gradtools.train_step(lambda p: jnp.sum(p["w"] ** 2), tx), donate_argnums=(0, 1))
+    p, s = jax.tree.map(jnp.copy, params), state
+    for _ in range(3):
+        p, s, _ = step(p, s)
+    np.testing.assert_allclose(p["w"], 0.8**3, rtol=1e-6)  # sgd: w <- w - 0.1 * 2w
+    assert float(gradtools.loss_scale(tx.init(params))) == 8.0  # the transform still works
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # optax's cast
+def test_inject_hyperparams_with_float16_params_says_to_keep_them_float32():
+    params = {"w": jnp.ones(2, jnp.float16)}
+    injected = optax.inject_hyperparams(gradtools.dynamic_loss_scale)
+    # optax casts every float hyperparameter to the params' dtype: 2**24 is inf in float16
+    assert float(jnp.finfo(jnp.float16).max) < 2.0**24
+    with pytest.raises(ValueError, match=r"max_scale=.*hyperparam_dtype=jnp.float32"):
+        injected(optax.sgd(1.0)).init(params)
+    tx = optax.inject_hyperparams(gradtools.dynamic_loss_scale, hyperparam_dtype=jnp.float32)(
+        optax.sgd(1.0), init_scale=4.0
+    )
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.full(2, 4.0, jnp.float16)}, state, params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])  # unscaled by 4
+    assert state.hyperparams["max_scale"].dtype == jnp.float32
+
+
 def test_missing_state_says_what_to_do():
     state = optax.adam(1e-3).init({"w": jnp.zeros(2)})
     for fn in (lambda: gradtools.scale_loss(1.0, state), lambda: gradtools.loss_scale(state)):
