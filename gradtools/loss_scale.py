@@ -372,8 +372,8 @@ def fixed_loss_scale(
       Array([-1., -2.], dtype=float32)
 
     References:
-      MindSpore ``FixedLossScaleManager``; ``torch.amp.GradScaler`` with
-      ``growth_interval`` set beyond the run's length.
+      MindSpore ``FixedLossScaleManager``. PyTorch has no fixed scale:
+      ``torch.amp.GradScaler`` backs off on every overflow.
     """
     _checks.is_transform("inner", inner)
     _checks.finite_positive("scale", scale)
