@@ -13,7 +13,7 @@ _PANELS = (
     ("test_accuracy", "test accuracy (%)", False),
     ("learning_rate", "learning rate", False),
     ("loss_scale", "loss scale", True),
-    ("grad_norm", "gradient norm\n(before clipping)", False),
+    ("grad_norm", "gradient norm\n(before clipping,\nof the last update)", False),
 )
 
 
