@@ -151,9 +151,10 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
       updates = (updates * factor).astype(updates.dtype) # one float32 scalar
       grad_norm = norm                                   # kept for metrics()
 
-    The boundary rule is optax's: updates whose norm is exactly ``max_norm``
-    or less pass unchanged (bit for bit), larger ones are scaled to norm
-    ``max_norm``. PyTorch's ``min(1, max_norm / (norm + 1e-6))`` is not
+    Updates whose norm is exactly ``max_norm`` or less pass unchanged (bit
+    for bit), larger ones are scaled to norm ``max_norm``. (``optax`` passes
+    only a norm below ``max_norm`` unchanged; at exactly ``max_norm`` it
+    rescales, which may change the last bits.) PyTorch's ``min(1, max_norm / (norm + 1e-6))`` is not
     used: its epsilon also shrinks updates whose norm is exactly
     ``max_norm``, and leaves clipped ones just under it, by an amount that
     depends on the gradients' units.
@@ -196,7 +197,7 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     References:
       Pascanu et al., `On the difficulty of training recurrent neural networks
       <https://arxiv.org/abs/1211.5063>`_, 2013. Matches
-      ``optax.clip_by_global_norm`` (boundary rule),
+      ``optax.clip_by_global_norm`` (but for a norm of exactly ``max_norm``),
       ``torch.nn.utils.clip_grad_norm_`` (``norm_type``) and MindSpore's
       ``ops.clip_by_global_norm``.
     """

@@ -508,8 +508,9 @@ def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], str]:
 def decay_mask(params: Any) -> Any:
     """``True`` for the parameters weight decay should shrink: no biases, no norm scales.
 
-    A parameter is excluded (``False``) when its path name ends in ``bias`` or
-    ``scale``, or when it has fewer than 2 dimensions. The names cover Flax
+    A parameter is excluded (``False``) when the last component of its path
+    name is ``bias`` or ``scale`` (``attn_bias`` is not), or when it has fewer
+    than 2 dimensions. The names cover Flax
     Linen and NNX ``Dense``/``Linear``/``Conv``/``DenseGeneral`` biases
     (``DenseGeneral``'s may be 2-D) and the ``scale``/``bias`` of
     ``LayerNorm``, ``BatchNorm``, ``GroupNorm`` and ``RMSNorm``; the

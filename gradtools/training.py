@@ -34,9 +34,11 @@ def apply_gradients(
 
     When ``tx`` is a :func:`gradtools.dynamic_loss_scale`,
     :func:`gradtools.fixed_loss_scale` or :func:`gradtools.accumulate` wrapper
-    (one inside the other too), the params are updated inside the branch that
-    runs the optimizer, and a step that runs no optimizer (a skipped step, an
-    accumulation micro-step) returns them as they were. The updates then never
+    (one inside the other too, or inside :func:`gradtools.freeze` or
+    :func:`gradtools.param_groups`, which leave frozen params untouched), the
+    params are updated inside the branch that runs the optimizer, and a step
+    that runs no optimizer (a skipped step, an accumulation micro-step)
+    returns them as they were. The updates then never
     leave that branch, so XLA needs no parameter-sized buffer for them, and a
     micro-step reads and writes only the accumulation buffer. The new state is
     the one ``tx.update`` returns, except for what a closed accumulation window
