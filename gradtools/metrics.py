@@ -24,6 +24,7 @@ _SOURCES = (
     ("finite", "LossScaleState", "finite"),
     ("grad_norm", "ClipByGlobalNormState", "grad_norm"),
     ("micro_step", "AccumulateState", "micro_step"),
+    ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
 )
 _HYPERPARAM_STATES = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
 
@@ -33,16 +34,18 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
     Keys are present only when the matching transform is:
 
-    ============== =================================================== =======
-    key            from                                                dtype
-    ============== =================================================== =======
-    loss_scale     ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
-    skipped_steps  the same: non-finite steps so far                   int32
-    finite         the same: whether the last step was finite          bool
-    grad_norm      ``clip_by_global_norm``: the norm before clipping   float32
-    micro_step     ``accumulate``: micro-batches in the open window    int32
-    learning_rate  ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
-    ============== =================================================== =======
+    =================== =================================================== =======
+    key                 from                                                dtype
+    =================== =================================================== =======
+    loss_scale          ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
+    skipped_steps       the same: non-finite steps so far                   int32
+    finite              the same: whether the last step was finite          bool
+    grad_norm           ``clip_by_global_norm``: the norm before clipping   float32
+    micro_step          ``accumulate``: micro-batches in the open window    int32
+    dropped_micro_steps ``accumulate``: non-finite micro-batches dropped    int32
+                        (``on_nonfinite='skip_microstep'``)
+    learning_rate       ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
+    =================== =================================================== =======
 
     When a transform occurs more than once, the first state found in tree
     order is reported.

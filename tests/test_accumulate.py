@@ -207,6 +207,8 @@ def test_skip_microstep_drops_nonfinite_without_loss_scaler():
     assert not np.any(outs[1])
     np.testing.assert_array_equal(outs[2], -np.array([2.0, 4.0]))
     assert int(state.dropped_micro_steps) == 1 and int(state.micro_step) == 0
+    m = gradtools.metrics(state)  # the only record of the drop, with no loss scaler
+    assert int(m["dropped_micro_steps"]) == 1 and m["dropped_micro_steps"].dtype == jnp.int32
 
 
 def test_propagate_hands_nan_window_on_and_next_window_is_clean():
