@@ -327,6 +327,24 @@ def _update_groups(txs, states, updates, params, index, extra_args, fused=False)
     return treedef.unflatten(out), tuple(new_states)
 
 
+def _check_loss_scale_covers_all(states: tuple[Any, ...], txs: list[Any], patterns: list[str]):
+    """Raises unless a loss scaler inside a group leaves every other group frozen.
+
+    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
+    scaler inside one group unscales only that group's.
+    """
+    names = [*patterns, "default"]
+    scaled = [g for g, s in enumerate(states) if optax.tree.get_all_with_path(s, "LossScaleState")]
+    unscaled = [g for g in range(len(txs)) if g not in scaled and not _is_frozen(txs[g])]
+    if scaled and unscaled:
+        raise ValueError(
+            f"param_groups: the group {names[scaled[0]]!r} holds a loss scaler, but "
+            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
+            "loss that nothing unscales. Put the loss scaler outside: "
+            "dynamic_loss_scale(param_groups(...))"
+        )
+
+
 def param_groups(
     rules: Sequence[tuple[str, optax.GradientTransformation]],
     default: optax.GradientTransformation | None = None,
@@ -385,7 +403,9 @@ def param_groups(
         return _assign(_flatten(tree)[0], parsed, default is not None, "param_groups")
 
     def init_fn(params):
-        return ParamGroupsState(_init_groups(txs, params, index_of(params)))
+        states = _init_groups(txs, params, index_of(params))
+        _check_loss_scale_covers_all(states, txs, [rx.pattern for _, rx, _ in parsed])
+        return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
         _tree.check_like("param_groups", updates, params)

@@ -354,6 +354,22 @@ def test_per_group_learning_rates_match_sgd_by_hand():
         np.testing.assert_allclose(u, -0.1 * np.asarray(g), rtol=1e-6)
 
 
+def test_a_loss_scaler_inside_a_group_must_leave_the_others_frozen():
+    """``scale_loss`` scales the whole loss; a scaler in one group unscales only its own."""
+    params = {"body": jnp.ones(2), "head": jnp.ones(2)}
+    scaler = gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    tx = gradtools.param_groups([(r"^head", scaler)], default=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"'\^head' holds a loss scaler, but 'default'"):
+        tx.init(params)
+    # With the rest frozen the scaled gradients reach the scaler alone: sgd on g / 8.
+    tx = gradtools.param_groups([(r"^head", scaler)], default=gradtools.frozen())
+    step = jax.jit(gradtools.train_step(lambda p: jnp.sum(p["head"] ** 2 + p["body"] ** 2), tx))
+    new, _, m = step(params, tx.init(params))
+    np.testing.assert_allclose(new["head"], 1.0 - 0.1 * 2.0, rtol=1e-6)  # d/dw w**2 = 2w
+    np.testing.assert_array_equal(new["body"], params["body"])
+    assert float(m["loss_scale"]) == 8.0 and bool(m["finite"])
+
+
 def test_per_group_weight_decay():
     variables, _ = lenet()
     grads = _fake_grads(variables)
