@@ -77,7 +77,7 @@ def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[...
     traced (a concrete predicate under ``jax.disable_jit`` runs one branch
     only), ``types`` falls back to ``jax.eval_shape``, once. The types carry
     the mesh axes each output varies over inside ``jax.shard_map``, which the
-    other branch must match (:func:`gradtools._tree.vary_like`).
+    other branch must match (:func:`gradtools._tree.match_types`).
     """
     seen: list[Any] = []
 
@@ -99,15 +99,16 @@ def cond(pred: jax.Array, run: Callable[..., Any], skip: Callable[..., Any], *op
 
     ``skip`` runs no optimizer. It is called as ``skip(types, *operands)``,
     with the types of ``run``'s outputs (:func:`recorded`), so that it can
-    return arrays shaped like them. Its outputs are marked as varying over the
-    mesh axes ``run``'s vary over inside ``jax.shard_map``
-    (:func:`gradtools._tree.vary_like`), which ``lax.cond`` requires there.
+    return arrays shaped like them. Its outputs then take the dtypes of
+    ``run``'s and are marked as varying over the mesh axes ``run``'s vary over
+    inside ``jax.shard_map`` (:func:`gradtools._tree.match_types`), which
+    ``lax.cond`` requires.
     """
     run, types = recorded(run)
 
     def other(*args: Any) -> Any:
         like = types(*args)
-        return _tree.vary_like(skip(like, *args), like)
+        return _tree.match_types(skip(like, *args), like)
 
     return lax.cond(pred, run, other, *operands)
 

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 __all__ = [
     "check_like",
     "distinct_scalars",
+    "match_types",
     "reduce_scalars",
     "scale_f32",
     "square_sum",
     "square_sums_known",
-    "vary_like",
     "zeros_like_shapes",
 ]
 
@@ -70,15 +70,22 @@ def zeros_like_shapes(shapes: Any) -> Any:
     return jax.tree.map(zeros, shapes)
 
 
-def vary_like(tree: Any, types: Any) -> Any:
-    """``tree``, each leaf marked as varying over the mesh axes its match in ``types`` varies over.
+def match_types(tree: Any, types: Any) -> Any:
+    """``tree``, each leaf given the dtype and the varying mesh axes of its match in ``types``.
 
-    Inside ``jax.shard_map`` (with its default ``check_vma=True``) the branches
-    of a ``lax.cond`` must agree on the mesh axes each output varies over. An
-    optimizer step on gradients that differ between devices returns updates
-    and state that vary; the branch that skips it returns zeros, or the state
-    it was given, which may not. Marking them is free: no data moves. Outside
-    ``shard_map`` nothing varies and ``tree`` comes back as it is.
+    The branches of a ``lax.cond`` must agree on both. The branch that skips
+    an optimizer step returns zeros, or the state it was given, where the
+    other returns the optimizer's outputs, which may differ:
+
+    - in dtype: optax promotes some state on its first update (Adam's moments
+      of a bfloat16 param become float32 under ``inject_hyperparams``, whose
+      learning rate is a float32 array); the old state is cast to match;
+    - in mesh axes: inside ``jax.shard_map`` (with its default
+      ``check_vma=True``) a step on gradients that differ between devices
+      returns updates and state that vary over the mesh axis. Marking the
+      skip branch's outputs as varying alike is free: no data moves.
+
+    Outside ``shard_map``, and without a promotion, ``tree`` comes back as it is.
 
     Args:
       tree: the outputs of the branch that runs no optimizer.
@@ -86,10 +93,12 @@ def vary_like(tree: Any, types: Any) -> Any:
         leaf, as :func:`gradtools._apply.recorded` keeps them), same structure.
 
     Returns:
-      ``tree`` with the missing axes marked.
+      ``tree`` with matching dtypes and the missing axes marked.
     """
 
     def one(x: Any, like: Any) -> Any:
+        if jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
+            x = x.astype(like.dtype)
         missing = tuple(_varying(like) - _varying(jax.typeof(x)))
         if not missing:
             return x

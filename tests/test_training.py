@@ -335,6 +335,37 @@ def test_apply_gradients_equals_update_then_apply_updates(name):
     assert finite == skips  # without a skip, the NaN reaches the params, as asked
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda tx: gradtools.dynamic_loss_scale(tx, init_scale=1.0),
+        lambda tx: gradtools.accumulate(tx, 1, on_nonfinite="skip_microstep"),
+    ],
+    ids=["dynamic_loss_scale", "accumulate skip_microstep"],
+)
+def test_skips_around_an_optimizer_that_promotes_its_state(wrap):
+    """``inject_hyperparams(adam)`` turns a bfloat16 param's moments into float32 on its
+    first update (its learning rate is a float32 array). A skipped step returns the
+    old state, cast alike; the run matches optax on the finite steps."""
+    params = {"w": jnp.ones(3, jnp.bfloat16), "norm": jnp.ones(3, jnp.float32)}
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    grads = [jax.tree.map(lambda p, v=v: jnp.full_like(p, v), params) for v in (1.0, -2.0, 0.5)]
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.inf), grads[0])
+    tx = wrap(adam)
+    state, p = tx.init(params), params
+    for g in (grads[0], bad, grads[1], grads[2]):
+        p, state = jax.jit(lambda p, s, g: gradtools.apply_gradients(tx, g, s, p))(p, state, g)
+    ref_state, ref = adam.init(params), params
+    for g in grads:
+        updates, ref_state = adam.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    jax.tree.map(_assert_close, p, ref)
+    inner = state.inner_state  # inject_hyperparams' state, under either wrapper
+    assert (
+        int(inner.inner_state[0].count) == 3 and inner.inner_state[0].mu["w"].dtype == jnp.float32
+    )
+
+
 def _adds_outside_cond(fn, *args):
     """``add``s to an input array (params, a buffer) in ``fn``'s jaxpr, outside any cond."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
