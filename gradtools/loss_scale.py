@@ -268,7 +268,9 @@ def dynamic_loss_scale(
       growth_interval: consecutive finite steps before the scale grows; an int
         >= 1 (MindSpore's ``scale_window``).
       min_scale: the floor of the scale; finite, > 0, <= ``init_scale``.
-      max_scale: the cap of the scale; finite, >= ``init_scale``.
+      max_scale: the cap of the scale; finite, >= ``init_scale``. With a
+        float16 loss, 2**15 keeps the scale itself finite in float16: above
+        it every growth is an overflow, skipped once per ``growth_interval``.
       axis_name: under ``shard_map`` or ``pmap``, the mapped axis over which
         devices agree whether the step is finite, so all take the same branch.
 
