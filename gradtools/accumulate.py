@@ -181,6 +181,9 @@ def accumulate(
     gradients can pass float16's maximum (65504) in that cast and arrive as
     inf: there, average, or put the loss scaler outside
     (``dynamic_loss_scale(accumulate(...))``), which unscales each micro-step.
+    No check sees such an overflow, nor one in a float16 buffer's own sum:
+    every micro-step was finite, so ``inner`` receives the inf. With
+    half-precision params keep the float32 buffer and ``average=True``.
 
     **Weights.** With ``weight`` (e.g. the micro-batch's example count) the
     window's mean is weighted, so micro-batches of 32, 32, 32 and 7 examples
@@ -214,7 +217,8 @@ def accumulate(
       average: hand ``inner`` the weighted mean of the window (``True``) or the
         weighted sum (``False``).
       dtype: the floating dtype of the accumulation buffer; float32 keeps
-        bf16/fp16 gradients from losing precision as they are summed.
+        bf16/fp16 gradients from losing precision as they are summed (and a
+        float16 sum from overflowing, which no check would catch).
       on_nonfinite: ``"propagate"`` or ``"skip_microstep"``.
 
     Returns:
