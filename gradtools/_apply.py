@@ -20,7 +20,15 @@ from jax import lax
 
 from gradtools import _tree
 
-__all__ = ["cond", "inner_step", "recorded", "register", "step_or_skip", "update_and_apply"]
+__all__ = [
+    "cond",
+    "inner_step",
+    "recorded",
+    "register",
+    "step_or_skip",
+    "transformation",
+    "update_and_apply",
+]
 
 #: ``tx.update`` -> ``apply(grads, state, params, **extra_args) -> (params, state)``.
 _FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
@@ -35,6 +43,25 @@ def register(update_fn: Callable[..., Any], apply_fn: Callable[..., Any]) -> Non
     ``update_fn(grads, state, params, **extra_args)``.
     """
     _FUSED[update_fn] = apply_fn
+
+
+def transformation(
+    init_fn: Callable[..., Any], step: Callable[..., tuple[Any, Any]]
+) -> optax.GradientTransformationExtraArgs:
+    """``init_fn`` and an ``update`` with a registered fast path, both from one ``step``.
+
+    ``step(updates, state, params, extra_args, fused)`` returns ``(updates,
+    state)``, or with ``fused`` the new params and state.
+    """
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        return step(updates, state, params, extra_args, False)
+
+    def apply_fn(grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
+        return step(grads, state, params, extra_args, True)
+
+    register(update_fn, apply_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def update_and_apply(

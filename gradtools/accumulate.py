@@ -363,11 +363,10 @@ def accumulate(
         )
         return new_updates, new_state
 
-    def update_fn(updates, state, params=None, *, weight=None, flush=False, **extra_args):
-        return step(updates, state, params, weight, flush, extra_args, fused=False)
+    def update_or_apply(updates, state, params, extra_args, fused):
+        # weight and flush are accumulate's own; the rest go to inner
+        extra_args = dict(extra_args)
+        weight, flush = extra_args.pop("weight", None), extra_args.pop("flush", False)
+        return step(updates, state, params, weight, flush, extra_args, fused)
 
-    def apply_fn(grads, state, params, *, weight=None, flush=False, **extra_args):
-        return step(grads, state, params, weight, flush, extra_args, fused=True)
-
-    _apply.register(update_fn, apply_fn)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _apply.transformation(init_fn, update_or_apply)

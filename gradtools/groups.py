@@ -415,14 +415,7 @@ def param_groups(
         )
         return out, ParamGroupsState(states)
 
-    def update_fn(updates, state, params=None, **extra_args):
-        return step(updates, state, params, extra_args, fused=False)
-
-    def apply_fn(grads, state, params, **extra_args):
-        return step(grads, state, params, extra_args, fused=True)
-
-    _apply.register(update_fn, apply_fn)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _apply.transformation(init_fn, step)
 
 
 def freeze(
@@ -501,14 +494,7 @@ def freeze(
         out, states = _update_groups(txs, states, updates, params, index, extra_args, fused)
         return out, FreezeState(states[0])
 
-    def update_fn(updates, state, params=None, **extra_args):
-        return step(updates, state, params, extra_args, fused=False)
-
-    def apply_fn(grads, state, params, **extra_args):
-        return step(grads, state, params, extra_args, fused=True)
-
-    _apply.register(update_fn, apply_fn)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _apply.transformation(init_fn, step)
 
 
 # -- helpers for weight decay and inspection -----------------------------------------------------

@@ -214,14 +214,7 @@ def _loss_scaler(
         )
         return out, new_state
 
-    def update_fn(updates, state, params=None, **extra_args):
-        return step(updates, state, params, extra_args, fused=False)
-
-    def apply_fn(grads, state, params, **extra_args):
-        return step(grads, state, params, extra_args, fused=True)
-
-    _apply.register(update_fn, apply_fn)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _apply.transformation(init_fn, step)
 
 
 def dynamic_loss_scale(
