@@ -103,8 +103,9 @@ def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[...
     loss-scaled Adam's tracing time at 200 leaves. Where ``run`` has not been
     traced (a concrete predicate under ``jax.disable_jit`` runs one branch
     only), ``types`` falls back to ``jax.eval_shape``, once. The types carry
-    the mesh axes each output varies over inside ``jax.shard_map``, which the
-    other branch must match (:func:`gradtools._tree.match_types`).
+    each output's dtype and the mesh axes it varies over inside
+    ``jax.shard_map``, which the other branch must match
+    (:func:`gradtools._tree.match_types`).
     """
     seen: list[Any] = []
 

@@ -273,11 +273,15 @@ def accumulate(
             inner_state=inner.init(params),
         )
 
-    def step(updates, state, params, weight, flush, extra_args, fused):
+    def step(updates, state, params, extra_args, fused):
         """``update`` (``fused=False``), or ``update`` and ``apply_updates`` in one.
 
         Returns the updates (or, when ``fused``, the new params) and the new state.
+        ``weight`` and ``flush`` are accumulate's own; the other extra arguments
+        go to ``inner``.
         """
+        extra_args = dict(extra_args)
+        weight, flush = extra_args.pop("weight", None), extra_args.pop("flush", False)
         _tree.check_like("accumulate", updates, params)
         _checks.real_leaves("accumulate", "updates", updates)
         if every_k > 1:
@@ -363,10 +367,4 @@ def accumulate(
         )
         return new_updates, new_state
 
-    def update_or_apply(updates, state, params, extra_args, fused):
-        # weight and flush are accumulate's own; the rest go to inner
-        extra_args = dict(extra_args)
-        weight, flush = extra_args.pop("weight", None), extra_args.pop("flush", False)
-        return step(updates, state, params, weight, flush, extra_args, fused)
-
-    return _apply.transformation(init_fn, update_or_apply)
+    return _apply.transformation(init_fn, step)

@@ -154,10 +154,10 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     Updates whose norm is exactly ``max_norm`` or less pass unchanged (bit
     for bit), larger ones are scaled to norm ``max_norm``. (``optax`` passes
     only a norm below ``max_norm`` unchanged; at exactly ``max_norm`` it
-    rescales, which may change the last bits.) PyTorch's ``min(1, max_norm / (norm + 1e-6))`` is not
-    used: its epsilon also shrinks updates whose norm is exactly
-    ``max_norm``, and leaves clipped ones just under it, by an amount that
-    depends on the gradients' units.
+    rescales, which may change the last bits.) PyTorch's
+    ``min(1, max_norm / (norm + 1e-6))`` is not used: its epsilon also
+    shrinks updates whose norm is exactly ``max_norm``, and leaves clipped
+    ones just under it, by an amount that depends on the gradients' units.
 
     An inf norm scales the updates by 0, as optax and PyTorch do: finite
     entries become 0 and inf entries NaN. It comes from an inf gradient, or
