@@ -211,6 +211,27 @@ def test_skip_microstep_drops_nonfinite_without_loss_scaler():
     assert int(m["dropped_micro_steps"]) == 1 and m["dropped_micro_steps"].dtype == jnp.int32
 
 
+@pytest.mark.parametrize(
+    "g",
+    [jnp.full(4, 60000.0, jnp.float16), jnp.array([3e38, 3e38], jnp.float32)],
+    ids=["f16", "f32"],
+)
+def test_skip_microstep_keeps_large_finite_micro_batches(g):
+    # A plain sum of g overflows, but every value is finite: nothing is dropped.
+    tx = gradtools.accumulate(optax.sgd(1.0), 2, on_nonfinite="skip_microstep")
+    params = jnp.zeros(g.shape, g.dtype)
+    outs, state = updates_and_state(tx, params, [g, jnp.zeros_like(g)])
+    assert int(state.dropped_micro_steps) == 0
+    np.testing.assert_array_equal(outs[1], -np.asarray(g) / 2)  # the mean of g and 0
+
+
+def test_inf_weight_counts_as_zero():
+    tx = gradtools.accumulate(optax.sgd(1.0), 2)
+    g = [jnp.array([1.0, 2.0]), jnp.array([3.0, 5.0])]
+    outs, _ = updates_and_state(tx, jnp.zeros(2), g, weight=[jnp.float32(jnp.inf), 2.0])
+    np.testing.assert_array_equal(outs[1], [-3.0, -5.0])  # (0 * g0 + 2 * g1) / 2
+
+
 def test_propagate_hands_nan_window_on_and_next_window_is_clean():
     tx = gradtools.accumulate(optax.sgd(1.0), 2)
     g = [
@@ -338,6 +359,22 @@ def test_extra_args_reach_inner_on_emitting_steps():
     assert not np.any(u)
     u, state = step(jnp.array([3.0, 4.0]), state, 10.0)
     np.testing.assert_array_equal(u, [20.0, 30.0])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_weight_and_flush_never_reach_inner(k):
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, factor):  # no **extra: an unknown key raises
+        del params
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    tx = gradtools.accumulate(optax.GradientTransformationExtraArgs(init, update), k)
+    state = tx.init(jnp.zeros(2))
+    u, _ = jax.jit(tx.update)(jnp.array([1.0, 2.0]), state, weight=2.0, flush=True, factor=3.0)
+    np.testing.assert_array_equal(u, [3.0, 6.0])  # the weighted mean of one micro-batch, times 3
 
 
 def test_every_k_1_skip_rules():

@@ -399,6 +399,26 @@ def test_per_group_weight_decay():
             np.testing.assert_allclose(updates["params"][layer][p], -0.1 * (g + wd * w), rtol=1e-6)
 
 
+def test_decay_mask_matches_the_last_path_component_whole():
+    params = {"attn_bias": jnp.ones((2, 2)), "logit_scale": jnp.ones((2, 2))}
+    params["x"] = {"bias": jnp.ones((2, 2))}
+    mask = gradtools.decay_mask(params)
+    assert mask == {"attn_bias": True, "logit_scale": True, "x": {"bias": False}}
+
+
+def test_metrics_report_the_first_state_in_tree_order():
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+    grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([6.0, 8.0])}  # norms 5 and 10
+    clip = lambda: optax.chain(gradtools.clip_by_global_norm(100.0), optax.sgd(0.1))  # noqa: E731
+    tx = gradtools.param_groups([("a", clip()), ("b", clip())])
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert float(gradtools.metrics(state)["grad_norm"]) == 5.0
+
+    sgd = optax.inject_hyperparams(optax.sgd)
+    tx = gradtools.param_groups([("a", sgd(learning_rate=0.1)), ("b", sgd(learning_rate=0.2))])
+    assert float(gradtools.metrics(tx.init(params))["learning_rate"]) == np.float32(0.1)
+
+
 def test_decay_mask_excludes_biases_norm_scales_and_vectors():
     params = {
         "params": {

@@ -139,6 +139,28 @@ def test_fixed_skip_nonfinite_false_always_applies():
     assert int(state.skipped_steps) == 1
 
 
+def test_fixed_good_steps_count_consecutive_finite_steps():
+    tx = gradtools.fixed_loss_scale(optax.sgd(0.1), 8.0)
+    states = run_pattern(tx, [True, True, False, True], PARAMS)
+    assert [int(s.good_steps) for s in states] == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "gdtype, grads, scale",
+    [(jnp.float16, [2.0**-10, 3.0], 2.0**15), (jnp.bfloat16, [1.0, -5.0], 3.0)],
+    ids=["f16", "bf16"],
+)
+def test_unscaling_happens_in_float32(gdtype, grads, scale):
+    # In float16, 2**-10 / 2**15 = 2**-25 rounds to 0 or 2**-24; in bfloat16, 1/3 is 0.333984.
+    tx = gradtools.fixed_loss_scale(optax.sgd(1.0), scale)
+    params = {"w": jnp.zeros(2, jnp.float32)}
+    g = {"w": jnp.array(grads, gdtype)}
+    updates, _ = jax.jit(tx.update)(g, tx.init(params), params)
+    want = -(np.asarray(g["w"], np.float64) / scale)
+    assert updates["w"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(updates["w"], np.float64), want, rtol=1e-6, atol=0)
+
+
 def test_unscaled_grads_reach_the_inner_optimizer():
     # sgd(1.0) returns -grads, so the update shows exactly what inner received.
     tx = gradtools.dynamic_loss_scale(optax.sgd(1.0), init_scale=1024.0)
@@ -570,6 +592,18 @@ def test_all_finite():
     assert bool(gradtools.all_finite({}))
     assert not bool(gradtools.all_finite([jnp.ones(2), jnp.array([1.0, jnp.nan])]))
     assert not bool(gradtools.all_finite(jnp.array([jnp.inf], jnp.float16)))
+
+
+@pytest.mark.parametrize(
+    "x",
+    [np.full(4, 60000.0, np.float16), np.array([3e38, 3e38], np.float32)],
+    ids=["f16-sum-past-65504", "f32-sum-past-max"],
+)
+def test_all_finite_is_true_for_large_finite_values_whose_sum_overflows(x):
+    with np.errstate(over="ignore"):
+        assert np.isinf(x.sum(dtype=x.dtype))  # a plain sum would call them non-finite
+    assert bool(gradtools.all_finite({"g": jnp.asarray(x)}))
+    assert bool(jax.jit(gradtools.all_finite)({"g": jnp.asarray(x)}))
 
 
 @pytest.mark.parametrize("bad", [None, 0, 31, 32, 555, 1099])

@@ -312,6 +312,13 @@ def test_with_warmup_is_warmup_lr_then_the_schedule():
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=0)
 
 
+def test_with_warmup_hands_over_to_the_schedule_at_warmup_steps():
+    # With init_value 0.02, the warmup line's end, 0.02 + (0.1 - 0.02), is 0.1 + 1 ulp in float32.
+    cosine = S.cosine_decay(0.01, 0.1, 4)
+    warm = S.with_warmup(cosine, 2, init_value=0.02)
+    assert float(warm(2)) == float(cosine(0)) == np.float32(0.1)
+
+
 def test_from_list_round_trips_to_list():
     values = ref_cosine_decay_lr(0.01, 0.1, 10, 2, 3)
     got = S.to_list(S.from_list(values), 13)
