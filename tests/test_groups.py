@@ -401,9 +401,64 @@ def test_per_group_weight_decay():
 
 def test_decay_mask_matches_the_last_path_component_whole():
     params = {"attn_bias": jnp.ones((2, 2)), "logit_scale": jnp.ones((2, 2))}
-    params["x"] = {"bias": jnp.ones((2, 2))}
+    params["x"] = {"bias": jnp.ones((2, 2)), "scale": jnp.ones((2, 2))}  # 2-D, excluded by name
     mask = gradtools.decay_mask(params)
-    assert mask == {"attn_bias": True, "logit_scale": True, "x": {"bias": False}}
+    assert mask == {"attn_bias": True, "logit_scale": True, "x": {"bias": False, "scale": False}}
+
+
+def test_freeze_hands_extra_args_to_inner():
+    def update(updates, state, params=None, *, factor):  # no **extra: an unknown key raises
+        del params
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+    tx = gradtools.freeze(inner, r"^a$")
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0])}
+    updates, _ = jax.jit(lambda g, s: tx.update(g, s, params, factor=3.0))(grads, tx.init(params))
+    np.testing.assert_array_equal(updates["a"], [0.0, 0.0])
+    np.testing.assert_array_equal(updates["b"], [9.0, 12.0])
+
+
+class _Unkeyed:
+    """A pytree node registered without keys: its children have flat indices."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+jax.tree_util.register_pytree_node(
+    _Unkeyed, lambda n: ((n.x, n.y), None), lambda _, children: _Unkeyed(*children)
+)
+
+
+def test_children_of_an_unkeyed_node_are_named_by_index():
+    tree = {"m": _Unkeyed(jnp.ones(2), jnp.ones(3))}
+    assert jax.tree.leaves(gradtools.path_names(tree)) == ["m/0", "m/1"]
+    labels = gradtools.label_params(tree, [(r"^m/1$", "second")], default="first")
+    assert jax.tree.leaves(labels) == ["first", "second"]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: gradtools.label_params({"a": 1}, [("a", "x", "y")]),
+        lambda: gradtools.param_groups([("a", optax.sgd(0.1), 0.5)]),
+        lambda: gradtools.describe({"a": jnp.ones(1)}, [("a", "x", "y")]),
+    ],
+    ids=["label_params", "param_groups", "describe"],
+)
+def test_a_rule_of_three_items_is_rejected(call):
+    with pytest.raises(TypeError, match=r"rules\[0\]=.*must be a \(regex, value\) pair"):
+        call()
+
+
+def test_unused_rule_error_lists_100_names_and_counts_the_rest():
+    names = [f"p{i:03d}" for i in range(150)]
+    with pytest.raises(ValueError, match="'zzz' is unused") as err:
+        gradtools.label_params({n: jnp.zeros(1) for n in names}, [("zzz", 1)], 0)
+    listed = [line.strip() for line in str(err.value).splitlines() if line.startswith("  ")]
+    assert listed == names[:100] + ["... and 50 more"]
 
 
 def test_metrics_report_the_first_state_in_tree_order():

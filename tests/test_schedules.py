@@ -319,6 +319,56 @@ def test_with_warmup_hands_over_to_the_schedule_at_warmup_steps():
     assert float(warm(2)) == float(cosine(0)) == np.float32(0.1)
 
 
+@pytest.mark.parametrize(
+    "build, want",
+    [
+        (lambda: S.piecewise_constant([2, 4], [0.1, 0.0]), [0.1, 0.1, 0.0, 0.0, 0.0]),
+        (lambda: S.from_list([0.2, 0.0]), [0.2, 0.0, 0.0, 0.0, 0.0]),
+        (lambda: S.exponential_decay(0.0, 0.5, 2), [0.0] * 5),
+        (lambda: S.natural_exp_decay(0.0, 0.5, 2), [0.0] * 5),
+        (lambda: S.inverse_time_decay(0.0, 0.5, 2), [0.0] * 5),
+        (lambda: S.warmup(0.0, 2), [0.0] * 5),
+        (lambda: S.polynomial_decay(0.0, 0.0, 2), [0.0] * 5),
+        (lambda: S.cosine_decay(0.0, 0.1, 2), [0.1, 0.05, 0.0, 0.0, 0.0]),
+    ],
+    ids=["piecewise", "from_list", "exp", "natural_exp", "inverse", "warmup", "poly", "cosine"],
+)
+def test_a_learning_rate_of_zero_is_valid(build, want):
+    # A rate of 0 (a frozen phase, a decay to 0) is allowed: only negatives are rejected.
+    np.testing.assert_allclose(S.to_list(build(), 5), want, rtol=RTOL, atol=1e-9)
+
+
+def test_polynomial_may_rise_as_optax_polynomial_schedule_does():
+    ours, theirs = S.polynomial_decay(0.0, 0.1, 4, 2.0), optax.polynomial_schedule(0.0, 0.1, 2.0, 4)
+    steps = jnp.arange(7)
+    np.testing.assert_allclose(jax.vmap(ours)(steps), jax.vmap(theirs)(steps), rtol=RTOL)
+
+
+def test_hyperparameters_may_be_traced():
+    # Built inside jit (as optax.inject_hyperparams does with a schedule factory).
+    @jax.jit
+    def values(lr, rate, min_lr, max_lr, step):
+        return (
+            S.exponential_decay(lr, rate, 4)(step),
+            S.exponential_decay(lr, rate, 4, staircase=True)(step),
+            S.cosine_decay(min_lr, max_lr, 8)(step),
+        )
+
+    exp, stair, cos = values(0.1, 0.5, 0.01, 0.1, jnp.int32(6))
+    np.testing.assert_allclose(exp, 0.1 * 0.5 ** (6 / 4), rtol=RTOL)
+    np.testing.assert_allclose(stair, 0.1 * 0.5 ** (6 // 4), rtol=RTOL)
+    np.testing.assert_allclose(cos, 0.01 + 0.045 * (1 + math.cos(math.pi * 6 / 8)), rtol=RTOL)
+
+
+def test_cosine_decay_keeps_its_relative_precision_near_the_end():
+    # 1 + cos(pi * t / n) cancels in float32 as t nears n; the float64 reference does not.
+    n = 10_000
+    schedule = jax.jit(S.cosine_decay(0.0, 1.0, n))
+    for step in (n - 1, n - 10, n - 100):
+        want = 0.5 * (1 + math.cos(math.pi * step / n))
+        np.testing.assert_allclose(float(schedule(jnp.int32(step))), want, rtol=1e-5)
+
+
 def test_from_list_round_trips_to_list():
     values = ref_cosine_decay_lr(0.01, 0.1, 10, 2, 3)
     got = S.to_list(S.from_list(values), 13)
