@@ -4,6 +4,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -359,3 +360,41 @@ def test_bad_input_raises_an_error_naming_the_argument(error, match, call):
         call()
     # raised by gradtools itself, not by JAX, NumPy or optax further down
     assert info.traceback[-1].path.parent.name == "gradtools", info.traceback[-1]
+
+
+def test_the_largest_int32_count_is_accepted():
+    gradtools.accumulate(optax.sgd(0.1), 2**31 - 1)
+    gradtools.dynamic_loss_scale(optax.sgd(0.1), growth_interval=2**31 - 1)
+    with pytest.raises(ValueError, match=r"every_k.*2\*\*31 - 1"):
+        gradtools.accumulate(optax.sgd(0.1), 2**31)
+
+
+def test_numpy_bools_are_accepted_where_bools_are():
+    tx = optax.sgd(0.5)
+    step = gradtools.train_step(lambda p: (jnp.sum(p**2), 2 * p), tx, has_aux=np.True_)
+    params = jnp.array([1.0, 2.0])
+    new, _, m = step(params, tx.init(params))
+    np.testing.assert_array_equal(new, [0.0, 0.0])  # p - 0.5 * 2p
+    np.testing.assert_array_equal(m["aux"], [2.0, 4.0])
+    tx = gradtools.accumulate(optax.sgd(1.0), 2, average=np.False_)
+    _, state = tx.update(jnp.ones(2), tx.init(params), params)
+    u, _ = tx.update(jnp.ones(2), state, params)
+    np.testing.assert_array_equal(u, [-2.0, -2.0])  # the sum of the window, not its mean
+
+
+def test_compiled_patterns_must_be_str_patterns():
+    params = {"w": jnp.ones(2), "b": jnp.ones(2)}
+    tx = gradtools.freeze(optax.sgd(1.0), re.compile(r"^b"))
+    u, _ = tx.update(params, tx.init(params), params)
+    assert np.asarray(u["w"]).tolist() == [-1.0, -1.0] and not np.any(u["b"])
+    with pytest.raises(TypeError, match="patterns"):
+        gradtools.freeze(optax.sgd(1.0), re.compile(rb"^b"))
+    with pytest.raises(TypeError, match=r"rules\[0\]"):
+        gradtools.param_groups([(re.compile(rb"^b"), gradtools.frozen())])
+
+
+def test_scale_loss_refuses_a_complex_loss():
+    state = gradtools.dynamic_loss_scale(optax.sgd(0.1)).init(jnp.ones(2))
+    assert float(gradtools.scale_loss(jnp.float32(2.0), state)) == 2.0 * 2.0**15
+    with pytest.raises(TypeError, match="loss"):
+        gradtools.scale_loss(jnp.complex64(1.0 + 2.0j), state)

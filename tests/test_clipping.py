@@ -308,3 +308,27 @@ def test_mixed_half_tree_under_strict_dtypes(strict_dtypes):
     np.testing.assert_allclose(state.grad_norm, 300.0 * 5 ** (1 / 3), rtol=1e-6)
     assert got["a"].dtype == jnp.bfloat16 and got["b"].dtype == jnp.float16
     np.testing.assert_allclose(got["b"].astype(np.float32), 5 ** (-1 / 3), rtol=1e-3)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 2.5, math.inf])
+def test_norm_of_all_zero_gradients_is_zero(p):
+    tree = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2), jnp.bfloat16)}
+    assert float(gradtools.global_norm(tree, norm_type=p)) == 0.0
+    assert float(jax.jit(gradtools.global_norm)(tree, jnp.float32(p))) == 0.0  # traced p
+    tx = gradtools.clip_by_global_norm(1.0, norm_type=p)
+    updates, state = jax.jit(tx.update)(tree, tx.init(tree))
+    assert float(gradtools.metrics(state)["grad_norm"]) == 0.0
+    assert not any(np.any(u) for u in jax.tree.leaves(updates))
+
+
+def test_state_stays_float32_under_x64_through_a_scan():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        tx = gradtools.clip_by_global_norm(1.0)
+        g = {"a": jnp.array([3.0, 4.0], jnp.float64)}
+        state = tx.init(g)
+        assert state.grad_norm.dtype == jnp.float32
+        state, _ = jax.lax.scan(lambda s, _: (tx.update(g, s)[1], None), state, None, length=2)
+        assert state.grad_norm.dtype == jnp.float32 and float(state.grad_norm) == 5.0
+    finally:
+        jax.config.update("jax_enable_x64", False)

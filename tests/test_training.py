@@ -535,3 +535,22 @@ def test_apply_gradients_bad_arguments():
     tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))
     with pytest.raises(ValueError, match="params=None"):
         gradtools.apply_gradients(tx, {"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), None)
+
+
+def test_apply_gradients_hands_params_to_an_optimizer_that_needs_them():
+    params = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])}
+    grads = {"w": jnp.array([0.5, 0.25]), "b": jnp.array([-1.0])}
+    lr, wd = 0.1, 0.5
+    # adamw's first step: p - lr * (g / (|g| + eps) + wd * p), with eps = 1e-8
+    want = {k: params[k] - lr * (g / (np.abs(g) + 1e-8) + wd * params[k]) for k, g in grads.items()}
+    adamw = lambda: optax.adamw(lr, weight_decay=wd)  # noqa: E731
+    for tx in (
+        adamw(),
+        gradtools.param_groups([("w", adamw())], default=adamw()),
+        gradtools.accumulate(adamw(), 1),
+        gradtools.dynamic_loss_scale(adamw(), init_scale=1.0),
+    ):
+        step = jax.jit(lambda g, s, p, tx=tx: gradtools.apply_gradients(tx, g, s, p))
+        new, _ = step(grads, tx.init(params), params)
+        for k in params:
+            np.testing.assert_allclose(new[k], want[k], rtol=1e-5)
