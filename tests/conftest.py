@@ -7,6 +7,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 import os  # noqa: E402
 
+import optax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
@@ -76,3 +77,17 @@ def array_reductions():
         )
 
     return count
+
+
+@pytest.fixture
+def scale_by_factor():
+    """A transformation that multiplies the updates by its extra argument ``factor``.
+
+    Its ``update`` takes no ``**kwargs``: any other extra argument that reaches it raises.
+    """
+
+    def update(updates, state, params=None, *, factor):
+        del params
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)

@@ -342,18 +342,9 @@ def test_metrics_report_micro_step_and_grad_norm():
     assert int(m["micro_step"]) == 0 and float(m["grad_norm"]) == 5.0
 
 
-def test_extra_args_reach_inner_on_emitting_steps():
-    def init(params):
-        del params
-        return optax.EmptyState()
-
-    def update(updates, state, params=None, *, mult=1.0, **extra):
-        del params, extra
-        return jax.tree.map(lambda u: u * mult, updates), state
-
-    inner = optax.GradientTransformationExtraArgs(init, update)
-    tx = gradtools.accumulate(inner, 2)
-    step = jax.jit(lambda g, s, m: tx.update(g, s, mult=m))
+def test_extra_args_reach_inner_on_emitting_steps(scale_by_factor):
+    tx = gradtools.accumulate(scale_by_factor, 2)
+    step = jax.jit(lambda g, s, m: tx.update(g, s, factor=m))
     state = tx.init(jnp.zeros(2))
     u, state = step(jnp.array([1.0, 2.0]), state, 5.0)
     assert not np.any(u)
@@ -362,16 +353,8 @@ def test_extra_args_reach_inner_on_emitting_steps():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_weight_and_flush_never_reach_inner(k):
-    def init(params):
-        del params
-        return optax.EmptyState()
-
-    def update(updates, state, params=None, *, factor):  # no **extra: an unknown key raises
-        del params
-        return jax.tree.map(lambda u: u * factor, updates), state
-
-    tx = gradtools.accumulate(optax.GradientTransformationExtraArgs(init, update), k)
+def test_weight_and_flush_never_reach_inner(k, scale_by_factor):
+    tx = gradtools.accumulate(scale_by_factor, k)  # inner raises on an unknown extra argument
     state = tx.init(jnp.zeros(2))
     u, _ = jax.jit(tx.update)(jnp.array([1.0, 2.0]), state, weight=2.0, flush=True, factor=3.0)
     np.testing.assert_array_equal(u, [3.0, 6.0])  # the weighted mean of one micro-batch, times 3

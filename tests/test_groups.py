@@ -406,13 +406,8 @@ def test_decay_mask_matches_the_last_path_component_whole():
     assert mask == {"attn_bias": True, "logit_scale": True, "x": {"bias": False, "scale": False}}
 
 
-def test_freeze_hands_extra_args_to_inner():
-    def update(updates, state, params=None, *, factor):  # no **extra: an unknown key raises
-        del params
-        return jax.tree.map(lambda u: u * factor, updates), state
-
-    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-    tx = gradtools.freeze(inner, r"^a$")
+def test_freeze_hands_extra_args_to_inner(scale_by_factor):
+    tx = gradtools.freeze(scale_by_factor, r"^a$")
     params = {"a": jnp.ones(2), "b": jnp.ones(2)}
     grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0])}
     updates, _ = jax.jit(lambda g, s: tx.update(g, s, params, factor=3.0))(grads, tx.init(params))
@@ -667,20 +662,13 @@ def test_composes_with_dynamic_loss_scale_and_clipping():
     assert (float(m["loss_scale"]), int(m["skipped_steps"])) == (4.0, 1)
 
 
-def test_learning_rate_metric_and_extra_args_reach_the_groups():
+def test_learning_rate_metric_and_extra_args_reach_the_groups(scale_by_factor):
     params = {"a": jnp.ones(2), "b": jnp.ones(2)}
     adam = optax.inject_hyperparams(optax.adam)(learning_rate=0.25)
     state = gradtools.freeze(adam, r"^a").init(params)
     assert float(gradtools.metrics(state)["learning_rate"]) == 0.25
 
-    def times():  # a transform that multiplies by the extra argument `factor`
-        def update_fn(updates, state, params=None, *, factor):
-            del params
-            return jax.tree.map(lambda u: u * factor, updates), state
-
-        return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
-
-    tx = gradtools.param_groups([(r"^a", times())], default=optax.chain(optax.sgd(1.0)))
+    tx = gradtools.param_groups([(r"^a", scale_by_factor)], default=optax.chain(optax.sgd(1.0)))
     tx = optax.chain(tx)  # optax.chain forwards extra args
     grads = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0])}
     updates, _ = jax.jit(lambda g, s: tx.update(g, s, params, factor=3.0))(grads, tx.init(params))

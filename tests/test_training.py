@@ -117,24 +117,14 @@ def test_args_kwargs_and_aux_reach_loss_fn():
     np.testing.assert_allclose(params, [2.5, 3.0])
 
 
-def _scale_by_factor() -> optax.GradientTransformationExtraArgs:
-    """Multiplies updates by an extra ``factor`` argument (a stand-in for flush=)."""
-
-    def update(updates, state, params=None, *, factor=1.0):
-        del params
-        return jax.tree.map(lambda u: u * factor, updates), state
-
-    return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
-
-
-def test_update_kwargs_reach_tx_without_retracing():
+def test_update_kwargs_reach_tx_without_retracing(scale_by_factor):
     traces = []
 
     def loss_fn(p):
         traces.append(None)
         return jnp.sum(p)
 
-    tx = optax.chain(_scale_by_factor(), optax.sgd(1.0))
+    tx = optax.chain(scale_by_factor, optax.sgd(1.0))
     step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
     params = jnp.zeros(2)
     state = tx.init(params)
