@@ -31,10 +31,12 @@ from gradtools.demo import data
 from gradtools.demo import train_and_evaluate
 from gradtools.demo.__main__ import main
 from gradtools.demo.checkpoint import Checkpoints
+from gradtools.demo.config import SCHEDULES
 from gradtools.demo.model import ConvReluPool
 from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
 from gradtools.demo.model import init_key
+from gradtools.demo.optim import make_optimizer
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
 SETTING = dict(
@@ -336,6 +338,119 @@ def test_bad_data_dir_in_a_subprocess_exits_1_without_traceback(tmp_path):
     assert proc.returncode == 1
     assert "train-images-idx3-ubyte[.gz]: file not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# The optimizer each option builds, against the help text's closed forms.
+
+_T = 16  # optimizer updates after warmup: T/2 and 3T/4 are whole steps
+
+
+def _help_text_lr(name, lr, t):
+    """The learning rate at update ``t`` as ``--help`` states it, over ``_T`` updates."""
+    return {
+        "constant": lr,
+        "piecewise_constant": lr if t < _T / 2 else lr / 10 if t < 3 * _T / 4 else lr / 100,
+        "exponential_decay": lr * 0.1 ** (t / _T),
+        "natural_exp_decay": lr * np.exp(-np.log(10) * t / _T),
+        "inverse_time_decay": lr / (1 + 9 * t / _T),
+        "cosine_decay": lr * (1 + np.cos(np.pi * t / _T)) / 2,
+        "polynomial_decay": lr + (lr / 100 - lr) * t / _T,
+    }[name]
+
+
+def _demo_params():
+    return {
+        "params": {
+            "fc1": {"kernel": jnp.full((3, 2), 2.0), "bias": jnp.full((2,), 2.0)},
+            "conv1": {"kernel": jnp.full((2, 2, 1, 1), 2.0), "bias": jnp.full((1,), 2.0)},
+        }
+    }
+
+
+def _demo_updates(config, grads, steps, total_updates=_T):
+    """The updates and metrics after each of ``steps`` calls with the same ``grads``."""
+    tx = make_optimizer(config, total_updates)
+    params = _demo_params()
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    out = []
+    for _ in range(steps):
+        updates, state = update(grads, state, params)
+        out.append((updates, gradtools.metrics(state)))
+    return out
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 4])
+@pytest.mark.parametrize("name", [s for s in SCHEDULES if s != "warmup"])
+def test_schedules_give_the_help_texts_learning_rates(name, warmup_steps):
+    config = Config(
+        schedule=name, warmup_steps=warmup_steps, lr=0.1, accum_steps=1,
+        loss_scale="none", clip_norm=None,
+    )  # fmt: skip
+    grads = jax.tree.map(jnp.zeros_like, _demo_params())
+    run = _demo_updates(config, grads, warmup_steps + _T, warmup_steps + _T)
+    lrs = [float(m["learning_rate"]) for _, m in run]
+    # Warmup rises linearly from 0 to the schedule's first value, which follows it.
+    want = [_help_text_lr(name, 0.1, 0) * t / warmup_steps for t in range(warmup_steps)]
+    want += [_help_text_lr(name, 0.1, t) for t in range(_T)]
+    np.testing.assert_allclose(lrs, want, rtol=1e-6, atol=1e-9)
+
+
+def test_warmup_schedule_rises_to_lr_then_holds():
+    config = Config(schedule="warmup", warmup_steps=4, lr=0.1, accum_steps=1, loss_scale="none")
+    grads = jax.tree.map(jnp.zeros_like, _demo_params())
+    lrs = [float(m["learning_rate"]) for _, m in _demo_updates(config, grads, 8, 8)]
+    np.testing.assert_allclose(lrs, [0.0, 0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1], rtol=1e-6)
+
+
+def test_optimizers_are_the_ones_the_help_text_names():
+    grads = jax.tree.map(lambda p: jnp.linspace(-1.0, 1.0, p.size).reshape(p.shape), _demo_params())
+    g = {k: np.asarray(v) for k, v in grads["params"]["fc1"].items()}
+    base = dict(lr=0.1, accum_steps=1, loss_scale="none", clip_norm=None)
+
+    # momentum: SGD with momentum 0.9, so a constant gradient g moves -0.1 * g, then -0.19 * g.
+    run = _demo_updates(Config(optimizer="momentum", **base), grads, 2)
+    for (updates, _), factor in zip(run, [0.1, 0.19]):
+        np.testing.assert_allclose(updates["params"]["fc1"]["kernel"], -factor * g["kernel"], 1e-6)
+
+    # adam: its bias-corrected first step is -lr * g / (|g| + 1e-8).
+    [(updates, _)] = _demo_updates(Config(optimizer="adam", **base), grads, 1)
+    for k in ("kernel", "bias"):
+        want = -0.1 * g[k] / (np.abs(g[k]) + 1e-8)
+        np.testing.assert_allclose(updates["params"]["fc1"][k], want, rtol=1e-5, atol=1e-7)
+
+    # adamw: with zero gradients only the decay, -lr * 1e-4 * param, moves; biases do not decay.
+    zeros = jax.tree.map(jnp.zeros_like, grads)
+    [(updates, _)] = _demo_updates(Config(optimizer="adamw", **base), zeros, 1)
+    for layer in ("fc1", "conv1"):
+        np.testing.assert_allclose(updates["params"][layer]["kernel"], -0.1 * 1e-4 * 2.0, 1e-6)
+        np.testing.assert_array_equal(updates["params"][layer]["bias"], 0.0)
+
+
+@pytest.mark.parametrize(
+    "loss_scale, want", [("none", None), ("fixed", 2.0**10), ("dynamic", 2.0**15)]
+)
+def test_loss_scale_options_start_at_the_documented_scale(loss_scale, want):
+    config = Config(loss_scale=loss_scale, lr=0.1, accum_steps=1, clip_norm=None)
+    m = gradtools.metrics(make_optimizer(config, _T).init(_demo_params()))
+    assert m.get("loss_scale") == want
+
+
+def test_clip_accumulation_and_freeze_options_act_on_the_updates():
+    # Every gradient is 1; the window's mean is too.
+    grads = jax.tree.map(jnp.ones_like, _demo_params())
+    config = Config(
+        optimizer="momentum", lr=0.1, accum_steps=2, loss_scale="none", clip_norm=1.0,
+        freeze=("conv",),
+    )  # fmt: skip
+    (first, m1), (second, m2) = _demo_updates(config, grads, 2)
+    assert int(m1["micro_step"]) == 1 and int(m2["micro_step"]) == 0
+    jax.tree.map(lambda u: np.testing.assert_array_equal(u, 0.0), first)  # a micro-step
+    # Only fc1's 8 gradients reach the clip: norm sqrt(8), clipped to 1.
+    np.testing.assert_allclose(m2["grad_norm"], np.sqrt(8.0), 1e-6)
+    for k in ("kernel", "bias"):
+        np.testing.assert_allclose(second["params"]["fc1"][k], -0.1 / np.sqrt(8.0), 1e-6)
+        np.testing.assert_array_equal(second["params"]["conv1"][k], 0.0)
 
 
 # Bad options: argparse's message or the demo's, exit status 2, before training.
