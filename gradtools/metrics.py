@@ -26,7 +26,9 @@ _SOURCES = (
     ("micro_step", "AccumulateState", "micro_step"),
     ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
 )
-_HYPERPARAM_STATES = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
+# The state of optax.inject_hyperparams (optax's InjectHyperparamsState is no
+# longer produced by it).
+_HYPERPARAM_STATE = "InjectStatefulHyperparamsState"
 
 
 def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
@@ -71,10 +73,9 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
         found = optax.tree.get_all_with_path(opt_state, cls)
         if found:
             out[key] = jnp.asarray(getattr(found[0][1], field))
-    for cls in _HYPERPARAM_STATES:
-        for _, state in optax.tree.get_all_with_path(opt_state, cls):
-            if "learning_rate" in state.hyperparams and "learning_rate" not in out:
-                # optax keeps it in the params' dtype (or as given: an int): report float32
-                lr = state.hyperparams["learning_rate"]
-                out["learning_rate"] = jnp.asarray(lr).astype(jnp.float32)
+    found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
+    rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
+    if rates:
+        # optax keeps it in the params' dtype (or as given: an int): report float32
+        out["learning_rate"] = jnp.asarray(rates[0]).astype(jnp.float32)
     return out
