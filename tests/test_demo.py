@@ -514,6 +514,18 @@ def test_loss_falls_and_history_is_recorded(uninterrupted):
     # Warmup over 2 updates, then cosine decay from 0.01 over the other 4.
     lrs = sorted(set(result.history["learning_rate"]), reverse=True)
     np.testing.assert_allclose(lrs[:3], [0.01, 0.01 * (1 + np.cos(np.pi / 4)) / 2, 0.005], 1e-6)
+    # An epoch's train loss is the mean over its steps; its accuracy is the result's.
+    per_epoch = np.mean(np.reshape(losses, (EPOCHS, STEPS_PER_EPOCH)), axis=1)
+    np.testing.assert_allclose(result.history["epoch"]["train_loss"], per_epoch, rtol=1e-6)
+    assert result.history["epoch"]["test_accuracy"][-1] == result.test_accuracy
+
+
+def test_test_accuracy_is_the_share_of_test_digits_predicted(uninterrupted, small):
+    _, result = uninterrupted
+    logits = LeNet5().apply(result.params, data.preprocess(small.test_images))
+    correct = np.sum(np.argmax(logits, -1) == small.test_labels)
+    # 200 digits, evaluated in a chunk padded to 1000 with blanks that never count.
+    assert result.test_accuracy == pytest.approx(100.0 * correct / 200)
 
 
 def test_frozen_conv_params_stay_bit_identical(uninterrupted, small):
@@ -677,7 +689,19 @@ def test_cli_reports_the_run(cli_run, uninterrupted):
     assert "4 cpu devices; batch 32 x 4 accumulated = 128 per update" in out
     assert "adamw lr 0.01 (cosine_decay after 2 warmup steps)" in out
     assert "clip norm 1.0; loss scale dynamic; frozen: conv" in out
-    assert "epoch 1/2" in out and "epoch 2/2" in out
+    # Each epoch's line reports that epoch's mean loss and the last step's metrics.
+    ckpt = Checkpoints(folder / "ckpt")
+    history = ckpt.restore_meta(20)["history"]
+    ckpt.close()
+    for epoch, step in enumerate(history["epoch"]["step"]):
+        last = {k: history[k][step - 1] for k in ("learning_rate", "loss_scale", "skipped_steps")}
+        line = (
+            f"epoch {epoch + 1}/2  loss {history['epoch']['train_loss'][epoch]:.4f}  "
+            f"lr {last['learning_rate']:.3g}  scale {last['loss_scale']:g}  "
+            f"skipped {int(last['skipped_steps'])}  "
+            f"test acc {history['epoch']['test_accuracy'][epoch]:.2f}%"
+        )
+        assert line in out
     assert "test accuracy" in out and "(200 digits)" in out
     assert f"checkpoint: {folder / 'ckpt' / '20'}" in out
     assert f"plot: {folder / 'run.png'}" in out
