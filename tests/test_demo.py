@@ -303,9 +303,12 @@ def _damage(folder, how):
         path = folder / "train-images-idx3-ubyte"
         path.write_bytes(path.read_bytes()[:-100])
         return "train-images-idx3-ubyte: truncated"
-    if how == "label_out_of_range":
-        _write_idx(folder / "train-labels-idx1-ubyte", np.full(320, 12))
-        return "train-labels-idx1-ubyte: label 12"
+    if how == "label_out_of_range":  # 10, the first that is not a digit
+        _write_idx(folder / "train-labels-idx1-ubyte", np.full(320, 10))
+        return "train-labels-idx1-ubyte: label 10"
+    if how == "wrong_size":
+        _write_idx(folder / "train-images-idx3-ubyte", np.zeros((320, 32, 32)))
+        return "train-images-idx3-ubyte: images are 32x32, expected 28x28"
     if how == "swapped":  # a labels file where the images should be
         os.replace(folder / "t10k-labels-idx1-ubyte", folder / "t10k-images-idx3-ubyte")
         return "t10k-images-idx3-ubyte: not an MNIST images file"
@@ -315,7 +318,7 @@ def _damage(folder, how):
     raise AssertionError(how)
 
 
-DAMAGE = ["missing", "truncated", "label_out_of_range", "swapped", "count_mismatch"]
+DAMAGE = ["missing", "truncated", "label_out_of_range", "wrong_size", "swapped", "count_mismatch"]
 
 
 @pytest.mark.parametrize("how", DAMAGE)
