@@ -269,7 +269,8 @@ def frozen() -> optax.GradientTransformation:
     ``optax.EmptyState()``. Use it as a group's transform in
     :func:`param_groups` (or as the ``default``, to train only the matched
     groups); :func:`describe` shows parameters given ``frozen()`` as not
-    trainable.
+    trainable. ``optax.set_to_zero()``, optax's way to freeze, is taken as
+    ``frozen()`` in both.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -282,9 +283,20 @@ def frozen() -> optax.GradientTransformation:
     return optax.GradientTransformation(_frozen_init, _frozen_update)
 
 
+# Every optax.set_to_zero() (optax's own way to freeze) has an update of this code.
+_SET_TO_ZERO_CODE = getattr(optax.set_to_zero().update, "__code__", None)
+
+
 def _is_frozen(value: Any) -> bool:
-    return (isinstance(value, str) and value == "frozen") or (
-        isinstance(value, optax.GradientTransformation) and value.init is _frozen_init
+    """Whether ``value`` is :func:`frozen()`, ``optax.set_to_zero()`` or the label ``'frozen'``."""
+    if isinstance(value, str):
+        return value == "frozen"
+    return isinstance(value, optax.GradientTransformation) and (
+        value.init is _frozen_init
+        or (
+            _SET_TO_ZERO_CODE is not None
+            and getattr(value.update, "__code__", None) is _SET_TO_ZERO_CODE
+        )
     )
 
 
@@ -395,9 +407,9 @@ def param_groups(
         _checks.is_transform(f"rules[{i}][1]", tx)
     if default is not None:
         _checks.is_transform("default", default)
-    txs = [optax.with_extra_args_support(tx) for _, _, tx in parsed]
-    if default is not None:
-        txs.append(optax.with_extra_args_support(default))
+    # frozen(): set_to_zero() gives the same updates, but the wrapper hides what it is.
+    txs = [frozen() if _is_frozen(tx) else tx for tx in [*(tx for _, _, tx in parsed), default]]
+    txs = [optax.with_extra_args_support(tx) for tx in txs if tx is not None]
 
     def index_of(tree):
         return _assign(_flatten(tree)[0], parsed, default is not None, "param_groups")
@@ -563,7 +575,7 @@ def describe(params: Any, rules: Sequence[tuple[str, Any]] | None = None) -> str
     its rule's regex when the rule's value is a transformation, or
     ``default`` when no rule matches (and when ``rules`` is ``None``). A
     parameter is frozen (``trainable`` is ``no``) when its rule's value is
-    :func:`frozen()` or the label ``'frozen'``.
+    :func:`frozen()`, ``optax.set_to_zero()`` or the label ``'frozen'``.
 
     Args:
       params: a pytree of arrays or ``jax.ShapeDtypeStruct``s (see

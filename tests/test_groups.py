@@ -370,6 +370,23 @@ def test_a_loss_scaler_inside_a_group_must_leave_the_others_frozen():
     assert float(m["loss_scale"]) == 8.0 and bool(m["finite"])
 
 
+def test_optax_set_to_zero_is_a_frozen_group():
+    """optax's own idiom for freezing gets what ``frozen()`` gets."""
+    params = {"body": jnp.array([2.0, 1.0]), "head": jnp.ones(2)}
+    rules = [(r"^head", optax.sgd(0.1)), (r"^body", optax.set_to_zero())]
+    lines = gradtools.describe(params, rules).splitlines()
+    assert lines[2].split()[-2:] == ["no", "2"] and lines[-2].split()[-1] == "2"  # frozen params
+    # A loss scaler in the other group is allowed, as with frozen().
+    scaler = gradtools.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+    tx = gradtools.param_groups([(r"^head", scaler)], default=optax.set_to_zero())
+    state = tx.init(params)
+    assert state.group_states[1] == optax.EmptyState()
+    grads = {"body": jnp.full(2, 8.0), "head": jnp.full(2, 8.0)}
+    new, _ = jax.jit(lambda g, s, p: gradtools.apply_gradients(tx, g, s, p))(grads, state, params)
+    np.testing.assert_allclose(new["head"], 1.0 - 0.1, rtol=1e-6)
+    np.testing.assert_array_equal(new["body"], params["body"])
+
+
 def test_per_group_weight_decay():
     variables, _ = lenet()
     grads = _fake_grads(variables)
