@@ -141,10 +141,15 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
 
 def is_transform(name: str, value: Any) -> None:
     """Checks that ``value`` is an ``optax.GradientTransformation``."""
-    if not isinstance(value, optax.GradientTransformation):
-        raise TypeError(
-            f"{name}={value!r} must be an optax.GradientTransformation, e.g. optax.adam(1e-3)"
-        )
+    if isinstance(value, optax.GradientTransformation):
+        return
+    if hasattr(value, "gradient_transformation"):  # optax.MultiSteps
+        hint = "use gradtools.accumulate(inner, every_k), or pass .gradient_transformation()"
+    elif callable(value):  # optax.adam rather than optax.adam(1e-3)
+        hint = "call it to build one, e.g. optax.adam(1e-3)"
+    else:
+        hint = "e.g. optax.adam(1e-3)"
+    raise TypeError(f"{name}={value!r} must be an optax.GradientTransformation: {hint}")
 
 
 def regex(name: str, value: Any) -> re.Pattern[str]:

@@ -113,6 +113,7 @@ def test_complex_gradients_are_refused_not_made_real(tx):
 G, S = gradtools, gradtools.schedules
 V, T = ValueError, TypeError
 SGD = optax.sgd(0.1)
+MULTI = optax.MultiSteps(SGD, 2)  # has init and update, but is no GradientTransformation
 NAN, INF = float("nan"), float("inf")
 SGD_STATE = SGD.init(PARAMS)
 SGD_ARGS = (jnp.ones(2), SGD.init(jnp.ones(2)))
@@ -127,7 +128,9 @@ def accumulate_update(**kwargs):
 # function: [(error, regex the message must match, call)]
 BAD = {
     "dynamic_loss_scale": [
-        (T, "inner=", lambda: G.dynamic_loss_scale(optax.adam)),
+        (T, "inner=<function adam .* call it", lambda: G.dynamic_loss_scale(optax.adam)),
+        (T, "inner=<.*MultiSteps.* gradtools.accumulate", lambda: G.dynamic_loss_scale(MULTI)),
+        (T, r"inner=\[\] .* e.g. optax.adam\(1e-3\)", lambda: G.dynamic_loss_scale([])),
         (V, "init_scale=None", lambda: G.dynamic_loss_scale(SGD, init_scale=None)),
         (V, "growth_interval='3'", lambda: G.dynamic_loss_scale(SGD, growth_interval="3")),
         (V, r"backoff_factor=\[0.5\]", lambda: G.dynamic_loss_scale(SGD, backoff_factor=[0.5])),
