@@ -12,6 +12,9 @@ straight to any optax optimizer, ``optax.sgd(gradtools.schedules.cosine_decay(
                       step_per_epoch), total_step)
     == exponential_decay_lr(lr, rate, total_step, step_per_epoch, decay_epoch, s)
 
+except ``piecewise_constant_lr(milestone, values)``, whose milestones count
+steps: it is ``to_list(piecewise_constant(milestone, values), milestone[-1])``.
+
 .. list-table:: MindSpore, optax and PyTorch spellings
    :header-rows: 1
 
