@@ -57,7 +57,7 @@ __all__ = [
     "path_names",
 ]
 
-_Rules = list[tuple[str, re.Pattern[str], Any]]
+_Rules = list[tuple[re.Pattern[str], Any]]
 _MAX_NAMES = 100  # how many names an error message lists
 
 
@@ -182,7 +182,7 @@ def _parse_rules(rules: Any, arg: str = "rules") -> _Rules:
     for i, rule in enumerate(rules):
         if not isinstance(rule, (tuple, list)) or len(rule) != 2:
             raise TypeError(f"{arg}[{i}]={rule!r} must be a (regex, value) pair")
-        parsed.append((rule[0], _checks.regex(f"{arg}[{i}][0]", rule[0]), rule[1]))
+        parsed.append((_checks.regex(f"{arg}[{i}][0]", rule[0]), rule[1]))
     return parsed
 
 
@@ -195,7 +195,7 @@ def _listing(names: list[str]) -> str:
 def _assign(names: list[str], rules: _Rules, has_default: bool, caller: str) -> list[int]:
     """For each name, the index of its first matching rule (``len(rules)``: default)."""
     index = [
-        next((i for i, (_, rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
+        next((i for i, (rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
     ]
     unmatched = [n for n, i in zip(names, index) if i == len(rules)]
     if unmatched and not has_default:
@@ -203,7 +203,7 @@ def _assign(names: list[str], rules: _Rules, has_default: bool, caller: str) -> 
             f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
             f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
         )
-    for i, (pattern, rx, _) in enumerate(rules):
+    for i, (rx, _) in enumerate(rules):
         if i not in index:
             why = (
                 "every parameter it matches is taken by an earlier rule"
@@ -211,7 +211,7 @@ def _assign(names: list[str], rules: _Rules, has_default: bool, caller: str) -> 
                 else "it matches no parameter"
             )
             raise ValueError(
-                f"{caller}: rules[{i}] regex {pattern!r} is unused: {why}. {_listing(names)}"
+                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
             )
     return index
 
@@ -245,7 +245,7 @@ def label_params(params: Any, rules: Sequence[tuple[str, Any]], default: Any = N
     parsed = _parse_rules(rules)
     names, _, treedef = _flatten(params)
     index = _assign(names, parsed, default is not None, "label_params")
-    values = [rule[2] for rule in parsed] + [default]
+    values = [value for _, value in parsed] + [default]
     return treedef.unflatten([values[i] for i in index])
 
 
@@ -403,12 +403,12 @@ def param_groups(
       parameter groups.
     """
     parsed = _parse_rules(rules)
-    for i, (_, _, tx) in enumerate(parsed):
+    for i, (_, tx) in enumerate(parsed):
         _checks.is_transform(f"rules[{i}][1]", tx)
     if default is not None:
         _checks.is_transform("default", default)
     # frozen(): set_to_zero() gives the same updates, but the wrapper hides what it is.
-    txs = [frozen() if _is_frozen(tx) else tx for tx in [*(tx for _, _, tx in parsed), default]]
+    txs = [frozen() if _is_frozen(tx) else tx for tx in [*(tx for _, tx in parsed), default]]
     txs = [optax.with_extra_args_support(tx) for tx in txs if tx is not None]
 
     def index_of(tree):
@@ -416,7 +416,7 @@ def param_groups(
 
     def init_fn(params):
         states = _init_groups(txs, params, index_of(params))
-        _check_loss_scale_covers_all(states, txs, [rx.pattern for _, rx, _ in parsed])
+        _check_loss_scale_covers_all(states, txs, [rx.pattern for rx, _ in parsed])
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
@@ -613,8 +613,8 @@ def describe(params: Any, rules: Sequence[tuple[str, Any]] | None = None) -> str
         if i == len(parsed):
             group, value = "default", None
         else:
-            pattern, _, value = parsed[i]
-            group = pattern if isinstance(value, optax.GradientTransformation) else str(value)
+            rx, value = parsed[i]
+            group = rx.pattern if isinstance(value, optax.GradientTransformation) else str(value)
         if _is_frozen(value):
             frozen_count += count
         else:

@@ -159,6 +159,23 @@ def test_compiled_regexes_work_as_strings_do():
     )
 
 
+def test_describe_and_param_groups_take_compiled_regexes():
+    params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+    rules = [(re.compile(r"^a"), optax.sgd(1.0))]
+    rows = [line.split() for line in gradtools.describe(params, rules).splitlines()[2:4]]
+    assert rows == [
+        ["a", "(2,)", "float32", "^a", "yes", "2"],
+        ["b", "(3,)", "float32", "default", "yes", "3"],
+    ]
+    tx = gradtools.param_groups(rules, default=gradtools.frozen())
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    np.testing.assert_array_equal(updates["a"], -1.0)
+    np.testing.assert_array_equal(updates["b"], 0.0)
+    # An unused compiled rule is named by its pattern, as a string rule is.
+    with pytest.raises(ValueError, match=r"rules\[0\] regex '\^z' is unused"):
+        gradtools.param_groups([(re.compile(r"^z"), optax.sgd(1.0))], optax.sgd(1.0)).init(params)
+
+
 def test_freeze_patterns_may_overlap_and_any_match_freezes():
     variables, _ = lenet()
     grads = jax.tree.map(jnp.ones_like, variables)
