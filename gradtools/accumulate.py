@@ -69,9 +69,12 @@ def _micro_weight(weight: Any) -> tuple[jax.Array, jax.Array]:
     """The float32 weight of one micro-batch and whether it counts (finite, > 0)."""
     if not _checks.numeric(weight):
         raise ValueError(f"weight={weight!r} must be a scalar number (the micro-batch's weight)")
-    w = jnp.asarray(weight).astype(jnp.float32)
+    w = jnp.asarray(weight)
+    if jnp.issubdtype(w.dtype, jnp.complexfloating):
+        raise ValueError(f"weight={weight!r} must be a real number, not complex")
     if w.shape != ():
         raise ValueError(f"weight must be a scalar, got an array of shape {w.shape}")
+    w = w.astype(jnp.float32)
     valid = jnp.isfinite(w) & (w > 0)
     return jnp.where(valid, w, jnp.zeros([], jnp.float32)), valid
 
@@ -229,9 +232,11 @@ def accumulate(
       TypeError: if ``inner`` is not a GradientTransformation.
       ValueError: if ``every_k`` is not an int >= 1, ``average`` is not a bool,
         ``dtype`` is not a floating dtype or ``on_nonfinite`` is unknown; at
-        trace time, if ``weight`` or ``flush`` is not a scalar, or ``every_k``
-        is traced (under ``optax.inject_hyperparams``, pass
-        ``static_args=('every_k', 'dtype')``).
+        trace time, if ``weight`` is not a real scalar, ``flush`` is not a
+        scalar bool, the gradients' tree structure differs from the
+        buffer's, or ``every_k`` is traced (under ``optax.inject_hyperparams``,
+        pass ``static_args=('every_k', 'dtype')``); at trace time too, a
+        ``TypeError`` for complex gradients.
 
     Example:
       >>> import jax.numpy as jnp, optax

@@ -239,6 +239,7 @@ BAD = {
         (V, "on_nonfinite='skip'", lambda: G.accumulate(SGD, 2, on_nonfinite="skip")),
         (V, "weight='x'", lambda: accumulate_update(weight="x")),
         (V, "weight must be a scalar", lambda: accumulate_update(weight=jnp.ones(2))),
+        (V, r"weight=1j must be a real number", lambda: accumulate_update(weight=1j)),
         (V, "flush must be a scalar bool.*got None", lambda: accumulate_update(flush=None)),
         (V, "flush must be a scalar bool.*got 1", lambda: accumulate_update(flush=1)),
         (
