@@ -1,9 +1,12 @@
 """Eager argument checks shared by every transform.
 
-Each check raises a ``ValueError`` (or ``TypeError`` for a wrong kind of
-object) that names the argument, shows its value and says what was expected.
-Traced values, as ``optax.inject_hyperparams`` passes them, are not checked:
-their value is unknown when the transform is built.
+Each check raises a ``ValueError`` (for a bad value, and for a number, bool
+or dtype of the wrong kind) or a ``TypeError`` (for an object that is not what
+the argument takes, such as a transformation or a pytree of arrays) that
+names the argument, shows its value and says what was expected. The numeric
+checks pass traced values, as ``optax.inject_hyperparams`` gives them, without
+looking: their value is unknown when the transform is built; an argument that
+must be static refuses them.
 """
 
 from __future__ import annotations

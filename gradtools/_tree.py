@@ -35,7 +35,7 @@ def scale_f32(tree: Any, factor: jax.Array) -> Any:
 
     Returns:
       The scaled pytree, each leaf in its own dtype. A factor of 1 returns
-      every leaf bit for bit.
+      every leaf bit for bit (subnormals aside: XLA:CPU flushes them to zero).
     """
     factor = jnp.asarray(factor, jnp.float32)
 
@@ -78,8 +78,9 @@ def match_types(tree: Any, types: Any) -> Any:
     other returns the optimizer's outputs, which may differ:
 
     - in dtype: optax promotes some state on its first update (Adam's moments
-      of a bfloat16 param become float32 under ``inject_hyperparams``, whose
-      learning rate is a float32 array); the old state is cast to match;
+      of a bfloat16 param become float32 under
+      ``inject_hyperparams(..., hyperparam_dtype=jnp.float32)``, whose ``b1``
+      and ``b2`` are then float32 arrays); the old state is cast to match;
     - in mesh axes: inside ``jax.shard_map`` (with its default
       ``check_vma=True``) a step on gradients that differ between devices
       returns updates and state that vary over the mesh axis. Marking the

@@ -152,7 +152,8 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
       grad_norm = norm                                   # kept for metrics()
 
     Updates whose norm is exactly ``max_norm`` or less pass unchanged (bit
-    for bit), larger ones are scaled to norm ``max_norm``. (``optax`` passes
+    for bit, but for subnormal values, which XLA:CPU flushes to zero in any
+    multiplication), larger ones are scaled to norm ``max_norm``. (``optax`` passes
     only a norm below ``max_norm`` unchanged; at exactly ``max_norm`` it
     rescales, which may change the last bits.) PyTorch's
     ``min(1, max_norm / (norm + 1e-6))`` is not used: its epsilon also
@@ -197,9 +198,10 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
     References:
       Pascanu et al., `On the difficulty of training recurrent neural networks
       <https://arxiv.org/abs/1211.5063>`_, 2013. Matches
-      ``optax.clip_by_global_norm`` (but for a norm of exactly ``max_norm``),
-      ``torch.nn.utils.clip_grad_norm_`` (``norm_type``) and MindSpore's
-      ``ops.clip_by_global_norm``.
+      ``optax.clip_by_global_norm`` but for the differences above (a norm of
+      exactly ``max_norm``, a NaN norm, and float16 gradients, whose norm
+      optax sums in float16), ``torch.nn.utils.clip_grad_norm_``
+      (``norm_type``) and MindSpore's ``ops.clip_by_global_norm``.
     """
     _checks.finite_positive("max_norm", max_norm)
     p = _norm_type(norm_type)

@@ -56,9 +56,9 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       opt_state: any optax optimizer state.
 
     Returns:
-      A dict of scalar arrays (empty when ``opt_state`` holds neither a
-      gradtools state nor an ``inject_hyperparams`` learning rate). It can be
-      returned from a jitted function.
+      A dict of scalar arrays (empty when ``opt_state`` holds none of the
+      states above: ``freeze`` and ``param_groups`` report only what their
+      inner transforms do). It can be returned from a jitted function.
 
     Example:
       >>> import jax.numpy as jnp, optax

@@ -107,8 +107,9 @@ def train_step(
 
     Positional and keyword arguments go to ``loss_fn``, except the keyword-only
     ``update_kwargs``: a dict of extra arguments for ``tx.update``, such as
-    :func:`gradtools.accumulate`'s ``flush`` and ``weight``. Pass its values as
-    arrays, so that a traced ``flush`` does not recompile the step::
+    :func:`gradtools.accumulate`'s ``flush`` and ``weight``. ``jax.jit`` traces
+    its values, Python bools and numbers as well as arrays, so a changing
+    ``flush`` does not recompile the step::
 
       step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
       for i, batch in enumerate(batches):   # flush the partial window at the end

@@ -159,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the demo with the options in ``argv`` (default ``sys.argv[1:]``).
 
     Returns:
-      0 on success; bad options exit with status 2 and bad data with 1, with
-      one line on stderr saying what is wrong; Ctrl-C exits with 130.
+      0 on success; bad data exits with status 1, with one line on stderr
+      saying what is wrong; bad options with 2, with the usage and a line
+      saying what is wrong; Ctrl-C exits with 130.
     """
     p = parser()
     args = p.parse_args(argv)
