@@ -388,7 +388,9 @@ def param_groups(
       ValueError: if a regex is invalid (when built); at ``init``, if a rule
         matches no parameter (or only ones taken by earlier rules), or a
         parameter matches no rule while ``default is None``: the message
-        lists the parameter names.
+        lists the parameter names; also at ``init``, if a group holds a loss
+        scaler while another group trains (their gradients would stay
+        scaled: put the scaler outside, around ``param_groups``).
 
     Example:
       >>> import optax
