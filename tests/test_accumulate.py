@@ -406,8 +406,8 @@ def test_no_recompile_between_python_and_array_flush_values():
         return tx.update(g, state, flush=flush)
 
     state = tx.init(jnp.zeros(2))
-    for f in (False, True, False):
-        _, state = step(jnp.ones(2), state, jnp.asarray(f))
+    for f in (False, jnp.asarray(True), jnp.asarray(False), True):
+        _, state = step(jnp.ones(2), state, f)
     assert len(traces) == 1
 
 

@@ -15,11 +15,13 @@ import gradtools
 RNG = np.random.default_rng(1)
 
 
-def mixed_tree():
+def mixed_tree(seed=1):
+    """The same tree whichever tests ran before on the worker."""
+    rng = np.random.default_rng(seed)
     return {
-        "f32": jnp.asarray(RNG.normal(size=(3, 4)), jnp.float32),
-        "bf16": jnp.asarray(RNG.normal(size=5) * 3, jnp.bfloat16),
-        "f16": jnp.asarray(RNG.normal(size=(2, 2)) * 10, jnp.float16),
+        "f32": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+        "bf16": jnp.asarray(rng.normal(size=5) * 3, jnp.bfloat16),
+        "f16": jnp.asarray(rng.normal(size=(2, 2)) * 10, jnp.float16),
         "none": None,
         "empty": {},
         "zero_size": jnp.zeros((0, 3)),
@@ -108,12 +110,19 @@ def test_clip_with_other_norm_types(p):
 
 
 def test_boundary_norm_equal_or_below_passes_unchanged():
-    tree = {"a": jnp.array([3.0, 4.0], jnp.float32), "b": jnp.array([0.1, -0.2], jnp.bfloat16)}
-    norm = float(gradtools.global_norm(tree))
+    tree = {"a": jnp.array([3.0, 4.0], jnp.float32), "b": jnp.array([0.5, -0.25], jnp.bfloat16)}
+    norm = np.float32(np.sqrt(25.3125))  # 3**2 + 4**2 + 0.5**2 + 0.25**2, exact in float32
+    assert float(gradtools.global_norm(tree)) == norm
     for max_norm in (norm, 2 * norm):
-        tx = gradtools.clip_by_global_norm(max_norm)
+        tx = gradtools.clip_by_global_norm(float(max_norm))
         got, _ = jax.jit(tx.update)(tree, tx.init(tree))
         chex.assert_trees_all_equal(got, tree, strict=True)
+    # One float32 step below the norm, the clip acts: each value times max_norm / norm.
+    below = np.nextafter(norm, np.float32(0))
+    tx = gradtools.clip_by_global_norm(float(below))
+    got, _ = jax.jit(tx.update)(tree, tx.init(tree))
+    np.testing.assert_array_equal(got["a"], np.float32([3.0, 4.0]) * (below / norm))
+    assert not np.array_equal(got["a"], tree["a"])
 
 
 def test_inf_norm_scales_by_zero_as_optax_does_and_is_recorded():
@@ -137,7 +146,8 @@ def test_float64_updates_under_x64_are_scaled_in_float64():
         tx = gradtools.clip_by_global_norm(0.25)
         got, state = jax.jit(tx.update)(g, tx.init(g))
         assert got["a"].dtype == jnp.float64 and state.grad_norm.dtype == jnp.float32
-        factor = np.float64(np.float32(0.25) / np.float32(state.grad_norm))  # the float32 factor
+        np.testing.assert_allclose(state.grad_norm, np_norm(g, 2), rtol=1e-7)
+        factor = np.float64(np.float32(0.25) / np.float32(np_norm(g, 2)))  # the float32 factor
         np.testing.assert_array_equal(got["a"], np.asarray(g["a"]) * factor)
     finally:
         jax.config.update("jax_enable_x64", False)
@@ -232,6 +242,8 @@ def test_clip_inside_a_loss_scaler_takes_the_norm_of_what_it_receives(before):
     seen = {k: np.asarray(x * (before or 1.0), np.float64) for k, x in seen.items()}
     norm = np_norm(seen, 2)
     assert norm > max_norm  # the clip acts, so a wrong norm shows in the updates
+    if before is None:  # counting the masked-out leaf would move the norm well past rtol
+        assert np_norm({k: tree[k] for k in arrays}, 2) > 1.05 * norm
     # rtol: XLA may keep optax.scale's bf16 product in float32 (excess precision)
     np.testing.assert_allclose(gradtools.metrics(state)["grad_norm"], norm, rtol=1e-2)
     want = jax.tree.map(lambda x: -np.asarray(x, np.float64) * (before or 1.0), tree)
@@ -294,9 +306,13 @@ def test_injected_norm_type_is_traced_and_still_right(p):
     tree = mixed_tree()
     inject = optax.inject_hyperparams(gradtools.clip_by_global_norm, hyperparam_dtype=jnp.float32)
     tx = inject(max_norm=1e-3, norm_type=p)
-    _, state = jax.jit(tx.update)(tree, tx.init(tree))
+    got, state = jax.jit(tx.update)(tree, tx.init(tree))
     assert "norm_type" in state.hyperparams
     np.testing.assert_allclose(state.inner_state.grad_norm, np_norm(tree, p), rtol=1e-6)
+    factor = 1e-3 / np_norm(tree, p)  # clipped to norm 1e-3
+    for k in ("f32", "bf16", "f16"):
+        want = np.asarray(tree[k], np.float64) * factor
+        np.testing.assert_allclose(np.asarray(got[k], np.float64), want, rtol=1e-2, atol=0)
     norm = jax.jit(gradtools.global_norm)(tree, jnp.float32(p))
     np.testing.assert_allclose(norm, np_norm(tree, p), rtol=1e-6)
 
