@@ -283,8 +283,9 @@ def frozen() -> optax.GradientTransformation:
     return optax.GradientTransformation(_frozen_init, _frozen_update)
 
 
-# Every optax.set_to_zero() (optax's own way to freeze) has an update of this code.
-_SET_TO_ZERO_CODE = getattr(optax.set_to_zero().update, "__code__", None)
+# Every optax.set_to_zero() (optax's own way to freeze) has an update of this code
+# (a fresh object, matching nothing, should a later optax make it no function).
+_SET_TO_ZERO_CODE = getattr(optax.set_to_zero().update, "__code__", object())
 
 
 def _is_frozen(value: Any) -> bool:
@@ -292,11 +293,7 @@ def _is_frozen(value: Any) -> bool:
     if isinstance(value, str):
         return value == "frozen"
     return isinstance(value, optax.GradientTransformation) and (
-        value.init is _frozen_init
-        or (
-            _SET_TO_ZERO_CODE is not None
-            and getattr(value.update, "__code__", None) is _SET_TO_ZERO_CODE
-        )
+        value.init is _frozen_init or getattr(value.update, "__code__", None) is _SET_TO_ZERO_CODE
     )
 
 
@@ -410,8 +407,8 @@ def param_groups(
     if default is not None:
         _checks.is_transform("default", default)
     # frozen(): set_to_zero() gives the same updates, but the wrapper hides what it is.
-    txs = [frozen() if _is_frozen(tx) else tx for tx in [*(tx for _, tx in parsed), default]]
-    txs = [optax.with_extra_args_support(tx) for tx in txs if tx is not None]
+    txs = [tx for _, tx in parsed] + ([default] if default is not None else [])
+    txs = [optax.with_extra_args_support(frozen() if _is_frozen(tx) else tx) for tx in txs]
 
     def index_of(tree):
         return _assign(_flatten(tree)[0], parsed, default is not None, "param_groups")
