@@ -9,7 +9,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Stats", "calibrate", "interleave", "ratio"]
+__all__ = ["Stats", "calibrate", "interleave", "ratio", "settle"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,34 @@ class Stats:
         return {"median_s": self.median, "min_s": self.min, "max_s": self.max}
 
 
+def settle(quiet_s: float = 0.01, max_s: float = 2.0) -> float:
+    """Waits until this process's other threads have used no CPU for ``quiet_s``.
+
+    XLA:CPU hands back a call's result before it has freed the call's
+    temporaries: one of its worker threads unmaps them afterwards (about 45 ms
+    for 768 MiB on the 2-core machine), while the next call already runs. Left
+    alone, that work is charged to whatever runs next. The CPU time of other
+    threads advances in scheduler ticks (4 ms at HZ=250), so ``quiet_s``
+    should span a few. Gives up after ``max_s``.
+
+    Returns:
+      The seconds waited.
+    """
+    t0 = last_busy = time.perf_counter()
+    used = time.process_time() - time.thread_time()  # every thread's CPU but this one's
+    while True:
+        now = time.perf_counter()
+        now_used = time.process_time() - time.thread_time()
+        if now_used > used:
+            used, last_busy = now_used, now
+        elif now - last_busy >= quiet_s or now - t0 >= max_s:
+            return now - t0
+
+
 def calibrate(fn: Callable[[], None], target_s: float, max_calls: int = 64) -> int:
     """How many calls of ``fn`` (already warm) make one sample of about ``target_s``."""
+    settle()
+    fn()
     t0 = time.perf_counter()
     fn()
     dt = max(time.perf_counter() - t0, 1e-6)
@@ -51,7 +77,13 @@ def interleave(
 
     Each round starts at a different case (a rotation), so no case always runs
     right after the same neighbour. ``calls[name]`` calls make one sample; the
-    sample is divided by it. Every callable must block until its work is done.
+    sample is divided by it. Every callable must block until its result is ready.
+
+    Before each sample the process settles (:func:`settle`) and the case runs once
+    untimed, so that the timed calls find the machine as the case's own
+    previous call leaves it, as in a training loop: each call's leftover work
+    (temporaries freed after it returns) overlaps the next call of the same
+    case, never a call of another case.
 
     Returns:
       Seconds per call, per case.
@@ -64,6 +96,8 @@ def interleave(
         for name in names[k:] + names[:k]:
             n = calls.get(name, 1)
             fn = cases[name]
+            settle()
+            fn()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()

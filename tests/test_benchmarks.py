@@ -6,9 +6,12 @@ Structure only: no assertion here depends on a timing.
 import dataclasses
 import json
 import math
+import threading
+import time
 
 import pytest
 
+from benchmarks import _timing
 from benchmarks import cli
 from benchmarks import report
 from benchmarks.cases import MICRO_K
@@ -197,3 +200,45 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+class _Leaky:
+    """A call that returns at once and leaves a thread burning CPU, as XLA:CPU's
+    unmapping of a call's temporaries does after the result is ready."""
+
+    def __init__(self, burn_s: float = 0.05):
+        self.burn_s = burn_s
+        self.busy = threading.Event()
+
+    def __call__(self) -> None:
+        self.busy.set()
+
+        def burn():
+            end = time.perf_counter() + self.burn_s
+            while time.perf_counter() < end:
+                pass
+            self.busy.clear()
+
+        threading.Thread(target=burn).start()
+
+
+def test_settle_waits_for_other_threads_work():
+    leaky = _Leaky()
+    leaky()
+    assert leaky.busy.is_set()
+    _timing.settle()
+    assert not leaky.busy.is_set()
+
+
+def test_interleave_keeps_a_case_apart_from_the_leftovers_of_the_one_before():
+    leaky = _Leaky()
+    seen = []  # whether the leaky case's thread still ran when `other` was called
+
+    def other():
+        seen.append(leaky.busy.is_set())
+
+    stats = _timing.interleave({"leaky": leaky, "other": other}, reps=4, calls={"other": 2})
+    assert len(stats["other"].samples) == 4
+    # every sample follows one untimed call of its own case: 4 rounds x (1 + 2) calls
+    assert seen == [False] * 12
+    _timing.settle()
