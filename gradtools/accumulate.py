@@ -17,8 +17,9 @@ buffer and the gradients and writes the buffer; its zero updates are a
 selection that XLA fuses into ``apply_updates``. The inner update runs under
 ``lax.cond`` only when a window closes. ``gradtools.apply_gradients(tx, grads,
 opt_state, params, weight=..., flush=...)`` does the update and the apply in
-one call, and its micro-step leaves the params untouched: it moves half the
-memory of the two lines above (``benchmarks/RESULTS.md``).
+one call, and its micro-step leaves the params untouched: it reads and writes
+3 floats per parameter, against 5 for the two lines above
+(``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

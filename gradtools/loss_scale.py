@@ -17,7 +17,7 @@ The training loop needs two calls::
 yourself, ``params, opt_state = gradtools.apply_gradients(tx, grads,
 opt_state, params)`` gives what ``tx.update`` followed by
 ``optax.apply_updates`` gives, but applies the updates inside the branch
-that computes them, so XLA stores no parameter-sized buffer for them (0.5x
+that computes them, so XLA stores no parameter-sized buffer for them (0.4x
 to 0.8x the time of the two calls on CPU, in 8 leaves of 1M to 64M params,
 ``benchmarks/RESULTS.md``).
 """
