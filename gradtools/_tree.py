@@ -201,10 +201,12 @@ def _shorten(text: str, limit: int = 400) -> str:
 
 
 def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> None:
-    """Raises a ``ValueError`` if ``params`` is given and not structured like ``updates``.
+    """Raises a ``ValueError`` if ``params`` is given and not shaped like ``updates``.
 
     Run at trace time, so that a tree mismatch names both trees instead of
-    failing inside ``jax.tree.map`` or the inner optimizer.
+    failing inside ``jax.tree.map`` or the inner optimizer, and so that a leaf
+    of another shape is not silently broadcast (gradients of shape ``(1,)``
+    added to a buffer or to params of shape ``(3,)``).
 
     Args:
       caller: the transform's name, to start the message.
@@ -214,7 +216,7 @@ def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> 
       name: what ``params`` is called in the message.
 
     Raises:
-      ValueError: if the tree structures differ.
+      ValueError: if the tree structures or the shapes of their leaves differ.
     """
     if params is None:
         return
@@ -234,4 +236,18 @@ def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> 
             "gradients of the params given to init, and those params.\n"
             f"  leaves only in updates: {only_u}\n  leaves only in {name}: {only_p}\n"
             f"  updates: {_shorten(str(u_def))}\n  {name}: {_shorten(str(p_def))}"
+        )
+    odd = [
+        f"{jax.tree_util.keystr(path)}: {jnp.shape(u)} against {jnp.shape(p)}"
+        for (path, u), p in zip(
+            jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)
+        )
+        if jnp.shape(u) != jnp.shape(p)
+    ]
+    if odd:
+        raise ValueError(
+            f"{caller}: the updates and the {name} differ in shape; pass the gradients of "
+            f"the params given to init, and those params.\n  "
+            + "\n  ".join(odd[:_MAX_SHOWN])
+            + (f"\n  ... and {len(odd) - _MAX_SHOWN} more" if len(odd) > _MAX_SHOWN else "")
         )

@@ -234,8 +234,8 @@ def accumulate(
       ValueError: if ``every_k`` is not an int >= 1, ``average`` is not a bool,
         ``dtype`` is not a floating dtype or ``on_nonfinite`` is unknown; at
         trace time, if ``weight`` is not a real scalar, ``flush`` is not a
-        scalar bool, the gradients' tree structure differs from the
-        buffer's, or ``every_k`` is traced (under ``optax.inject_hyperparams``,
+        scalar bool, the gradients' tree structure or leaf shapes differ
+        from the buffer's, or ``every_k`` is traced (under ``optax.inject_hyperparams``,
         pass ``static_args=('every_k', 'dtype')``); at trace time too, a
         ``TypeError`` for complex gradients.
 

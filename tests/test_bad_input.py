@@ -41,11 +41,27 @@ def test_mismatched_trees_name_both_structures_at_trace_time(name, case):
     assert "updates: PyTreeDef(" in message and "params: PyTreeDef(" in message
 
 
+@pytest.mark.parametrize("name", sorted(WITH_PARAMS))
+def test_a_leaf_of_another_shape_is_refused_not_broadcast(name):
+    # (1,) would broadcast silently against the params' (2,): every element would
+    # get the gradient of the first, or a (2, 2) buffer would not fit the state.
+    tx = WITH_PARAMS[name]()
+    state = tx.init(PARAMS)
+    for a in (jnp.ones(1), jnp.ones((2, 1))):
+        grads = {"a": a, "b": {"c": jnp.ones(3)}}
+        with pytest.raises(ValueError, match=f"{name}: the updates and the params differ in shape"):
+            jax.jit(tx.update)(grads, state, PARAMS)
+        with pytest.raises(ValueError, match=re.escape(f"['a']: {a.shape} against (2,)")):
+            jax.jit(tx.update)(grads, state, PARAMS)
+
+
 def test_accumulate_without_params_checks_grads_against_its_buffer():
     tx = gradtools.accumulate(optax.sgd(0.1), 2)
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match=re.escape("acc_grads (from init)")):
         jax.jit(tx.update)({"a": jnp.ones(2)}, state)
+    with pytest.raises(ValueError, match=re.escape("acc_grads (from init) differ in shape")):
+        jax.jit(tx.update)({"a": jnp.ones(1), "b": {"c": jnp.ones(3)}}, state)
 
 
 def test_matching_trees_with_none_and_masked_nodes_pass():

@@ -252,7 +252,7 @@ def test_state_structure_and_dtypes_survive_scan():
 
     def body(carry, finite):
         params, state = carry
-        g = jax.tree.map(lambda p: jnp.where(finite, 1.0, jnp.inf).astype(p.dtype), params)
+        g = jax.tree.map(lambda p: jnp.full_like(p, jnp.where(finite, 1.0, jnp.inf)), params)
         updates, state = tx.update(g, state, params)
         return (optax.apply_updates(params, updates), state), state.loss_scale
 
