@@ -4,6 +4,7 @@ Structure only: no assertion here depends on a timing.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import threading
@@ -222,15 +223,21 @@ class _Leaky:
         threading.Thread(target=burn).start()
 
 
+# A quiet spell longer than the default 10 ms, so that a loaded machine (pytest
+# workers on every core) descheduling the burning thread cannot end the wait early.
+QUIET_S = 0.1
+
+
 def test_settle_waits_for_other_threads_work():
     leaky = _Leaky()
     leaky()
     assert leaky.busy.is_set()
-    _timing.settle()
+    _timing.settle(QUIET_S)
     assert not leaky.busy.is_set()
 
 
-def test_interleave_keeps_a_case_apart_from_the_leftovers_of_the_one_before():
+def test_interleave_keeps_a_case_apart_from_the_leftovers_of_the_one_before(monkeypatch):
+    monkeypatch.setattr(_timing, "settle", functools.partial(_timing.settle, QUIET_S))
     leaky = _Leaky()
     seen = []  # whether the leaky case's thread still ran when `other` was called
 
@@ -241,4 +248,4 @@ def test_interleave_keeps_a_case_apart_from_the_leftovers_of_the_one_before():
     assert len(stats["other"].samples) == 4
     # every sample follows one untimed call of its own case: 4 rounds x (1 + 2) calls
     assert seen == [False] * 12
-    _timing.settle()
+    _timing.settle(QUIET_S)
