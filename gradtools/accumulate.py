@@ -18,8 +18,8 @@ selection that XLA fuses into ``apply_updates``. The inner update runs under
 ``lax.cond`` only when a window closes. ``gradtools.apply_gradients(tx, grads,
 opt_state, params, weight=..., flush=...)`` does the update and the apply in
 one call, and its micro-step leaves the params untouched: it reads and writes
-3 floats per parameter, against 5 for the two lines above
-(``benchmarks/RESULTS.md``).
+3 floats per parameter, against 6 for the two lines above by the report's
+count (5 as compiled; ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
