@@ -323,7 +323,7 @@ def cosine_decay(min_lr: float, max_lr: float, decay_steps: int) -> optax.Schedu
 
     Example:
       >>> s = gradtools.schedules.cosine_decay(0.01, 0.1, 4)
-      >>> [round(float(s(i)), 8) for i in (0, 2, 4, 9)]
+      >>> [round(float(s(i)), 7) for i in (0, 2, 4, 9)]  # 7 digits: cos is 1 ulp off on GPU
       [0.1, 0.055, 0.01, 0.01]
 
     References:
@@ -465,7 +465,7 @@ def with_warmup(
 
     Example:
       >>> s = gradtools.schedules.with_warmup(gradtools.schedules.cosine_decay(0.0, 0.1, 2), 2)
-      >>> [round(float(s(i)), 8) for i in range(5)]
+      >>> [round(float(s(i)), 7) for i in range(5)]
       [0.0, 0.05, 0.1, 0.05, 0.0]
 
     References:

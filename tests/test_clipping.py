@@ -121,7 +121,9 @@ def test_boundary_norm_equal_or_below_passes_unchanged():
     below = np.nextafter(norm, np.float32(0))
     tx = gradtools.clip_by_global_norm(float(below))
     got, _ = jax.jit(tx.update)(tree, tx.init(tree))
-    np.testing.assert_array_equal(got["a"], np.float32([3.0, 4.0]) * (below / norm))
+    # XLA:CPU divides exactly as NumPy does; XLA:GPU's float32 division may be one ulp off.
+    ulps = 0 if jax.default_backend() == "cpu" else 1
+    np.testing.assert_array_max_ulp(got["a"], np.float32([3.0, 4.0]) * (below / norm), ulps)
     assert not np.array_equal(got["a"], tree["a"])
 
 

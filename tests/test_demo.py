@@ -139,10 +139,14 @@ class _FlaxConvReluPool(nn.Module):
         return nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
 
 
+_full_float32 = jax.default_matmul_precision("highest")
+
+
 @pytest.mark.parametrize(
     "kernel_size, shape, features",
     [(5, (3, 32, 32, 1), 6), (5, (3, 14, 14, 6), 16), (3, (2, 10, 12, 3), 4), (1, (2, 4, 6, 2), 3)],
 )
+@_full_float32  # GPUs convolve float32 in TF32 by default: two ways of it differ by ~1e-3
 def test_conv_relu_pool_matches_flax_conv_relu_max_pool(kernel_size, shape, features):
     # LeNet-5's two layers, and other kernel sizes and non-square inputs. Continuous
     # random values have no ties in a pooling window, where the gradients agree.
@@ -194,6 +198,7 @@ def test_conv_relu_pool_rejects_what_it_cannot_compute(kernel_size, shape, match
         ConvReluPool(2, kernel_size).init(jax.random.key(0), jnp.zeros(shape))
 
 
+@_full_float32
 def test_lenet5_initialises_and_computes_as_with_flax_conv_and_max_pool():
     class FlaxLeNet5(nn.Module):
         @nn.compact
@@ -480,6 +485,7 @@ BAD_OPTIONS = [
 ]
 
 
+@pytest.mark.four_devices  # the --batch-size message names 4 devices
 @pytest.mark.parametrize(
     ("argv", "message"), BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS]
 )
@@ -686,6 +692,7 @@ def test_cli_exits_130_on_ctrl_c(monkeypatch):
     assert main(["--no-progress"]) == 130
 
 
+@pytest.mark.four_devices
 def test_cli_reports_the_run(cli_run, uninterrupted):
     code, out, folder = cli_run
     assert code == 0
@@ -713,6 +720,7 @@ def test_cli_reports_the_run(cli_run, uninterrupted):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.four_devices
 def test_four_devices_match_one(cli_run, uninterrupted, small):
     _, _, folder = cli_run
     four = train_and_evaluate(Config(checkpoint_dir=str(folder / "ckpt"), eval_only=True), small)

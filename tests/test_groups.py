@@ -710,6 +710,7 @@ def test_learning_rate_metric_and_extra_args_reach_the_groups(scale_by_factor):
     np.testing.assert_array_equal(updates["b"], [-3.0, -4.0])
 
 
+@pytest.mark.four_devices
 def test_sharded_params_keep_their_sharding():
     mesh = jax.make_mesh((4,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))

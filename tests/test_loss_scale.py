@@ -616,6 +616,7 @@ def test_all_finite_of_1100_leaves_finds_any_nonfinite_leaf(bad, widest_stack):
     assert 2 <= widest_stack(gradtools.all_finite, tree) <= 32
 
 
+@pytest.mark.four_devices
 @pytest.mark.parametrize("axis_name", ["d", None])
 def test_axis_name_makes_every_device_skip(axis_name):
     """Device 2 alone overflows; with axis_name all four skip and back off."""
