@@ -9,6 +9,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import jax
+
 __all__ = ["Stats", "calibrate", "interleave", "ratio", "settle"]
 
 
@@ -42,11 +44,15 @@ def settle(quiet_s: float = 0.01, max_s: float = 2.0) -> float:
     for 768 MiB on the 2-core machine), while the next call already runs. Left
     alone, that work is charged to whatever runs next. The CPU time of other
     threads advances in scheduler ticks (4 ms at HZ=250), so ``quiet_s``
-    should span a few. Gives up after ``max_s``.
+    should span a few. Gives up after ``max_s``. Returns at once when JAX runs
+    on an accelerator, whose allocator keeps device memory between calls: no
+    such work follows a call there.
 
     Returns:
       The seconds waited.
     """
+    if jax.default_backend() != "cpu":
+        return 0.0
     t0 = last_busy = time.perf_counter()
     used = time.process_time() - time.thread_time()  # every thread's CPU but this one's
     while True:

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import gradtools
@@ -62,6 +61,8 @@ class Case:
       baseline: the name of the case this one replaces (the ratio column).
       select_tree: the select-between-whole-trees pattern (compiles slowly).
       calls: optimizer calls per timed sample (a window of ``accumulate``).
+      f32_words: how many of ``words`` are float32 whatever the params' dtype
+        (``accumulate``'s buffer); the others have the params' dtype.
     """
 
     name: str
@@ -72,11 +73,17 @@ class Case:
     baseline: str | None = None
     select_tree: bool = False
     calls: int = 1
+    f32_words: float = 0.0
     notes: str = field(default="", compare=False)
+
+    def bytes_per_param(self, dtype: Any) -> float:
+        """The bytes per parameter the step must move when params and grads are ``dtype``."""
+        size = jnp.dtype(dtype).itemsize
+        return (self.words - self.f32_words) * size + self.f32_words * 4
 
 
 def param_shapes(n_params: int, n_leaves: int, dtype: Any = jnp.float32) -> dict[str, Any]:
-    """``n_params`` float32 parameters split into ``n_leaves`` 1-D leaves (a flat dict)."""
+    """``n_params`` parameters of ``dtype`` split into ``n_leaves`` 1-D leaves (a flat dict)."""
     if n_leaves < 1 or n_params < n_leaves:
         raise ValueError(f"need 1 <= {n_leaves=} <= {n_params=}")
     base = n_params // n_leaves
@@ -129,6 +136,12 @@ def _apply_gradients(tx: optax.GradientTransformation) -> Callable[[], Pattern]:
     return make
 
 
+def _like(grads: Any, params: Any) -> Any:
+    """Grads cast to their params' dtypes, as jmp's ``cast_to_param`` does after unscaling
+    (which computes in float32); a no-op for float32 params."""
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
 def _jmp_select(inner: optax.GradientTransformation) -> Callable[[], Pattern]:
     """jmp's documented loop: unscale, check, adjust, then select whole trees.
 
@@ -145,7 +158,7 @@ def _jmp_select(inner: optax.GradientTransformation) -> Callable[[], Pattern]:
         def step(carry, grads):
             params, state, (loss_scale, counter) = carry
             scale = jmp.DynamicLossScale(loss_scale, counter)
-            grads = scale.unscale(grads)
+            grads = _like(scale.unscale(grads), params)
             finite = jmp.all_finite(grads)
             scale = scale.adjust(finite)
             updates, new_state = inner.update(grads, state, params)
@@ -194,6 +207,7 @@ def _flax_select(inner: optax.GradientTransformation) -> Callable[[], Pattern]:
         def step(carry, grads):
             params, state, dyn = carry
             dyn, finite, _, grads = dyn.value_and_grad(lambda p: _given_grads(p, grads))(params)
+            grads = _like(grads, params)
             updates, new_state = inner.update(grads, state, params)
             new_params = optax.apply_updates(params, updates)
             select = functools.partial(jnp.where, finite)
@@ -208,7 +222,7 @@ def _flax_select(inner: optax.GradientTransformation) -> Callable[[], Pattern]:
 
 def _triad() -> Pattern:
     def step(carry, grads):
-        return (jax.tree.map(lambda a, b: a + np.float32(0.5) * b, carry[0], grads),)
+        return (jax.tree.map(lambda a, b: a + 0.5 * b, carry[0], grads),)  # weak 0.5: a's dtype
 
     return Pattern(lambda params: (params,), step)
 
@@ -339,6 +353,7 @@ def update_cases() -> list[Case]:
                 ACC_TRAFFIC,
                 from_tx(acc(_adam(), MICRO_K)),
                 baseline="optax.MultiSteps(adam) micro-step",
+                f32_words=2,
             )
         )
         if available("apply_gradients"):
@@ -350,6 +365,7 @@ def update_cases() -> list[Case]:
                     "buffer: read g, acc; write acc (params untouched)",
                     _apply_gradients(acc(_adam(), MICRO_K)),
                     baseline="optax.MultiSteps(adam) micro-step",
+                    f32_words=2,
                 )
             )
     if available("freeze"):

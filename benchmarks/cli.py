@@ -23,6 +23,7 @@ from benchmarks import report
 __all__ = ["Config", "is_partial", "main", "parse_configs", "parse_count", "run"]
 
 SECTIONS = ("update", "compile", "memory", "lenet")
+DTYPES = ("float32", "bfloat16", "float16")
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
@@ -57,6 +58,8 @@ class Config:
     memory_leaves: int = 8
     lenet_batch: int = 256
     lenet_reps: int = 7
+    #: dtype of the params and grads in the update, compile and memory sections.
+    dtype: str = "float32"
     quick: bool = False
 
 
@@ -86,6 +89,7 @@ def is_partial(config: dict[str, Any]) -> bool:
         or config["groups"] is not None
         or config["match"] is not None
         or config["compile_match"] != COMPILE_CASES
+        or config.get("dtype", "float32") != "float32"
     )
 
 
@@ -97,6 +101,16 @@ def _write_report(text: str, out: str | None, config: dict[str, Any]) -> None:
         print(f"wrote {path}")
     elif not config["quick"]:
         print(f"a partial run: {RESULTS.name} not written (--out writes the report)")
+
+
+def _render(results: dict[str, Any]) -> str:
+    """The report; a whole CPU run's also shows the GPU run saved in ``report.GPU_RESULTS``."""
+    meta = results["meta"]
+    gpu = None
+    if report.GPU_RESULTS.is_file() and "x cpu" in meta["machine"].get("JAX devices", ""):
+        if not meta["quick"] and not is_partial(meta["config"]):
+            gpu = json.loads(report.GPU_RESULTS.read_text())
+    return report.render(results, gpu=gpu)
 
 
 def parse_count(text: str) -> int:
@@ -142,6 +156,7 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
             match=config.match,
             select_max_leaves=config.select_max_leaves,
             sample_s=config.sample_s,
+            dtype=config.dtype,
             log=log,
         )
         results["notes"] += notes
@@ -155,6 +170,7 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
             match=_both(config.match, config.compile_match),
             select_max_leaves=config.select_max_leaves,
             budget_s=config.compile_budget_s,
+            dtype=config.dtype,
             log=log,
         )
         results["notes"] += notes
@@ -162,7 +178,11 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
         from benchmarks.memory import run_memory
 
         results["memory"] = run_memory(
-            config.memory_params, config.memory_leaves, match=config.match, log=log
+            config.memory_params,
+            config.memory_leaves,
+            match=config.match,
+            dtype=config.dtype,
+            log=log,
         )
     if "lenet" in config.sections:
         from benchmarks.lenet import run_lenet
@@ -245,8 +265,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             p.error(f"{flag} {value}: must be >= 1")
-    if args.from_json and not Path(args.from_json).is_file():
-        p.error(f"--from-json {args.from_json}: no such file")
+    for path in args.from_json or ():
+        if not Path(path).is_file():
+            p.error(f"--from-json {path}: no such file")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -281,6 +302,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="skip a case at a leaf count where its growth predicts more seconds than this",
     )
     p.add_argument("--memory-size", help="params for the memory section, e.g. 16M")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="dtype of the params and grads in the update, compile and memory sections "
+        "(default float32; the LeNet section runs its own dtypes)",
+    )
     p.add_argument("--lenet-batch", type=int, help="LeNet batch size")
     p.add_argument(
         "--out",
@@ -290,15 +317,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", help="also write every row as JSON here")
     p.add_argument(
         "--from-json",
+        nargs="+",
         help="run nothing: render the report of a run saved with --json (e.g. after editing "
-        "benchmarks/ANALYSIS.md)",
+        "benchmarks/ANALYSIS.md); several files, runs of one machine, are merged into one "
+        "report (and into one file with --json)",
     )
     args = p.parse_args(argv)
     _check_args(p, args)
 
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
-        _write_report(report.render(results), args.out, results["meta"]["config"])
+        runs = [json.loads(Path(f).read_text()) for f in args.from_json]
+        results = runs[0] if len(runs) == 1 else report.merge(runs)
+        _write_report(_render(results), args.out, results["meta"]["config"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         return results
 
     base = QUICK if args.quick else Config()
@@ -331,13 +363,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["memory_params"] = parse_count(args.memory_size)
     if args.lenet_batch:
         changes["lenet_batch"] = args.lenet_batch
+    if args.dtype:
+        changes["dtype"] = args.dtype
     config = dataclasses.replace(base, **changes)
 
     command = "python -m benchmarks" + ("".join(f" {a}" for a in argv) if argv else "")
     if argv is None:
         command = "python -m benchmarks" + "".join(f" {a}" for a in sys.argv[1:])
     results = run(config, command=command)
-    text = report.render(results)
+    text = _render(results)
     print(text)
     _write_report(text, args.out, results["meta"]["config"])
     if args.json:

@@ -31,6 +31,7 @@ def run_compile(
     match: str | None = None,
     select_max_leaves: int = 200,
     budget_s: float = 300.0,
+    dtype: str = "float32",
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Times lowering and compiling each case; one row per (leaves, case).
@@ -46,7 +47,7 @@ def run_compile(
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     for n_leaves in leaves:
-        shapes = param_shapes(max(n_params, n_leaves), n_leaves)
+        shapes = param_shapes(max(n_params, n_leaves), n_leaves, dtype)
         members = []
         for c in cases:
             guess = _predict(seen[c.name], n_leaves)

@@ -5,7 +5,8 @@ convolutions, ReLUs and poolings run as ``ConvReluPool`` layers) trained by
 ``gradtools.train_step`` under ``jax.jit`` with params and state donated and
 the demo's ``compiler_options()`` (one row compiles with XLA's defaults); the
 PyTorch side is the same network (same layers, 61,706 parameters) trained
-eagerly with ``torch.optim.Adam``. Both see the same random 32x32 images, a
+eagerly with ``torch.optim.Adam``, on the GPU when JAX runs on one (there
+with fp16 autocast and ``GradScaler`` too). Both see the same random 32x32 images, a
 fixed batch, and are timed interleaved. PyTorch is optional
 (``pip install gradtools[bench-torch]``); without it its rows are skipped with
 a note.
@@ -70,9 +71,10 @@ def _jax_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], lis
         return build
 
     adam = optax.adam(1e-3)
-    out = {
-        "gradtools fp32 (adam)": variant(jnp.float32, adam),
-        "gradtools fp32 (adam), XLA default options": variant(jnp.float32, adam, {}),
+    out = {"gradtools fp32 (adam)": variant(jnp.float32, adam)}
+    if compiler_options():  # XLA:CPU's options: the same model without them
+        out["gradtools fp32 (adam), XLA default options"] = variant(jnp.float32, adam, {})
+    out |= {
         "gradtools bf16 (adam)": variant(jnp.bfloat16, adam),
         "gradtools fp16 + dynamic_loss_scale(adam)": variant(
             jnp.float16, gradtools.dynamic_loss_scale(adam)
@@ -97,6 +99,10 @@ def _torch_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], l
         ]
     from torch import nn
 
+    # The device JAX runs on: PyTorch's CUDA build against XLA:GPU, its CPU build against XLA:CPU.
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+
     def variant(autocast: Any) -> Callable[[int], Callable[[], None]]:
         def build(batch: int) -> Callable[[], None]:
             torch.manual_seed(0)
@@ -107,29 +113,38 @@ def _torch_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], l
                 nn.Linear(400, 120), nn.ReLU(),
                 nn.Linear(120, 84), nn.ReLU(),
                 nn.Linear(84, 10),
-            )  # fmt: skip
+            ).to(device)  # fmt: skip
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            # fp16 needs a loss scale: GradScaler is PyTorch's dynamic_loss_scale.
+            scaler = torch.amp.GradScaler(device, enabled=autocast is torch.float16)
             rng = np.random.default_rng(0)
             x = torch.from_numpy(rng.normal(size=(batch, 1, 32, 32)).astype(np.float32))
             y = torch.from_numpy(rng.integers(0, 10, size=batch).astype(np.int64))
+            x, y = x.to(device), y.to(device)
 
             def run() -> None:
                 opt.zero_grad(set_to_none=True)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+                with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
                     loss = nn.functional.cross_entropy(model(x).float(), y)
-                loss.backward()
-                opt.step()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                sync()
 
             run()
             return run
 
         return build
 
-    version = torch.__version__
-    return {
-        f"PyTorch {version} eager fp32 (Adam)": variant(None),
-        f"PyTorch {version} eager bf16 autocast (Adam)": variant(torch.bfloat16),
-    }, [f"PyTorch uses {torch.get_num_threads()} threads"]
+    name = f"PyTorch {torch.__version__} eager"
+    out = {
+        f"{name} fp32 (Adam)": variant(None),
+        f"{name} bf16 autocast (Adam)": variant(torch.bfloat16),
+    }
+    if device == "cuda":
+        out[f"{name} fp16 autocast + GradScaler (Adam)"] = variant(torch.float16)
+        return out, [f"PyTorch runs on CUDA ({torch.cuda.get_device_name()})"]
+    return out, [f"PyTorch uses {torch.get_num_threads()} threads"]
 
 
 def run_lenet(

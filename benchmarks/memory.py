@@ -25,10 +25,11 @@ def run_memory(
     n_leaves: int,
     *,
     match: str | None = None,
+    dtype: str = "float32",
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """One row per case: state bytes, state / params, peak and temporary bytes."""
-    shapes = param_shapes(n_params, n_leaves)
+    shapes = param_shapes(n_params, n_leaves, dtype)
     param_bytes = _xla.nbytes(shapes)
     rows = []
     for c in update_cases():
@@ -42,6 +43,7 @@ def run_memory(
             {
                 "params": n_params,
                 "leaves": n_leaves,
+                "dtype": dtype,
                 "case": c.name,
                 "param_bytes": param_bytes,
                 "state_bytes": state_bytes,

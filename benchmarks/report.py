@@ -9,9 +9,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["human", "render", "targets"]
+__all__ = ["human", "merge", "render", "targets"]
 
 ANALYSIS = Path(__file__).with_name("ANALYSIS.md")
+#: The rows of the latest GPU run (``--from-json`` of its files, ``--json`` here).
+GPU_RESULTS = Path(__file__).with_name("results_gpu.json")
 
 
 def human(n: float) -> str:
@@ -127,25 +129,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     a ratio is the median of per-round ratios of the two cases in one group.
     """
     out: list[dict[str, Any] | None] = []
-    upd = results.get("update", [])
-    sizes = sorted({r["params"] for r in upd})
-    big = [n for n in sizes if n >= 16 << 20] or sizes[-1:]
-    for n in big:
-        for leaves in sorted({r["leaves"] for r in upd if r["params"] == n}):
-            where = f"{human(n)} params, {leaves} leaves"
-            for name, case, base, limit in UPDATE_TARGETS:
-                for row in [r for r in upd if r["params"] == n and r["leaves"] == leaves]:
-                    if not _find([row], case=case):
-                        continue
-                    if base is None:
-                        out.append(_target(name, row["x_bound"], limit, where))
-                        continue
-                    if base == "triad":  # the same bytes as the triad moves
-                        out.append(_target(name, row["x_bound"] * row["words"] / 3, limit, where))
-                        continue
-                    other = _find(upd, params=n, leaves=leaves, group=row["group"], case=base)
-                    if other:
-                        out.append(_target(name, _paired(row, other), limit, where))
+    for dtype in dict.fromkeys(_dtype(r) for r in results.get("update", [])):
+        upd = [r for r in results["update"] if _dtype(r) == dtype]
+        out += _update_targets(upd, "" if dtype == "float32" else f", {dtype}")
     comp = results.get("compile", [])
     counts = sorted({r["leaves"] for r in comp})
     dls = "gradtools.dynamic_loss_scale*"
@@ -172,6 +158,45 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         name = "LeNet fp32 images/s: gradtools / PyTorch eager"
         out.append(_target(name, gt["x_baseline"], 1.0, f"batch {gt['batch']}", at_most=False))
     return [t for t in out if t]
+
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ORDER = tuple(ITEMSIZE)
+
+
+def _dtype(row: dict[str, Any]) -> str:
+    return row.get("dtype", "float32")  # runs from before --dtype were all float32
+
+
+def _bytes(row: dict[str, Any]) -> float:
+    return row.get("bytes_per_param", 4 * row["words"])
+
+
+def _update_targets(upd: list[dict[str, Any]], suffix: str) -> list[dict[str, Any] | None]:
+    """The update-cost targets over rows of one dtype; ``suffix`` ends each ``where``."""
+    out = []
+    sizes = sorted({r["params"] for r in upd})
+    big = [n for n in sizes if n >= 16 << 20] or sizes[-1:]
+    for n in big:
+        for leaves in sorted({r["leaves"] for r in upd if r["params"] == n}):
+            where = f"{human(n)} params, {leaves} leaves{suffix}"
+            for name, case, base, limit in UPDATE_TARGETS:
+                for row in [r for r in upd if r["params"] == n and r["leaves"] == leaves]:
+                    if not _find([row], case=case):
+                        continue
+                    if base is None:
+                        out.append(_target(name, row["x_bound"], limit, where))
+                        continue
+                    if base == "triad":  # the buffer's read g, read acc, write acc alone
+                        f32 = row.get("f32_words", 0)
+                        buffer = (3 - f32) * ITEMSIZE[_dtype(row)] + 4 * f32
+                        value = row["x_bound"] * _bytes(row) / buffer
+                        out.append(_target(name, value, limit, where))
+                        continue
+                    other = _find(upd, params=n, leaves=leaves, group=row["group"], case=base)
+                    if other:
+                        out.append(_target(name, _paired(row, other), limit, where))
+    return out
 
 
 def _ms(s: float) -> str:
@@ -204,11 +229,21 @@ def _update_section(rows: list[dict[str, Any]]) -> str:
     ]
     header = ["group", "case", "ms", "min-max", "words", "bound ms", "x bound"]
     header += ["x counterpart", "XLA words", "temp MiB", "faults", "copies (MiB)"]
-    for n, leaves in sorted({(r["params"], r["leaves"]) for r in rows}):
-        sub = [r for r in rows if r["params"] == n and r["leaves"] == leaves]
+    configs = dict.fromkeys((_dtype(r), r["params"], r["leaves"]) for r in rows)
+    for dtype, n, leaves in sorted(configs, key=lambda c: (DTYPE_ORDER.index(c[0]), *c[1:])):
+        sub = [r for r in rows if (_dtype(r), r["params"], r["leaves"]) == (dtype, n, leaves)]
         bw = ", ".join(f"{r['bandwidth_gbs']:.1f}" for r in sub if r["case"] == "triad")
+        what = "params" if dtype == "float32" else f"{dtype} params"
+        half = (
+            ""
+            if dtype == "float32"
+            else f"Params, grads and Adam's moments are {dtype}, so a word is "
+            f"{ITEMSIZE[dtype]} bytes, except the 2 float32 words of `accumulate`'s buffer; "
+            "*bound* counts bytes. "
+        )
         parts.append(
-            f"### {human(n)} params in {leaves} leaves\n\nTriad bandwidth: {bw} GB/s (per group).\n"
+            f"### {human(n)} {what} in {leaves} leaves\n\n{half}"
+            f"Triad bandwidth: {bw} GB/s (per group).\n"
         )
         table = []
         for r in sub:
@@ -260,6 +295,7 @@ def _compile_section(rows: list[dict[str, Any]]) -> str:
 
 def _memory_section(rows: list[dict[str, Any]]) -> str:
     n, leaves, pbytes = rows[0]["params"], rows[0]["leaves"], rows[0]["param_bytes"]
+    dtype = _dtype(rows[0])
     table = [
         [
             f"`{r['case']}`",
@@ -271,7 +307,7 @@ def _memory_section(rows: list[dict[str, Any]]) -> str:
         for r in rows
     ]
     return (
-        f"## Memory\n\n{human(n)} float32 params in {leaves} leaves ({_mib(pbytes)} MiB). "
+        f"## Memory\n\n{human(n)} {dtype} params in {leaves} leaves ({_mib(pbytes)} MiB). "
         "*state*: the optimizer state (`jax.eval_shape` of `init`; for the jmp/flax patterns "
         "also their scale); *peak*: arguments + outputs - donated aliases + temporaries from "
         "`compiled.memory_analysis()` of the donated step (grads included as an argument).\n\n"
@@ -322,19 +358,31 @@ SECTIONS = (
 )
 
 
-def render(results: dict[str, Any]) -> str:
-    """The whole report as Markdown."""
+def _on_cpu(meta: dict[str, Any]) -> bool:
+    return "x cpu" in meta["machine"].get("JAX devices", "x cpu")
+
+
+def _body(results: dict[str, Any], h: str) -> list[str]:
+    """A run's heading-less report; ``h`` is its section heading level ('##')."""
     meta = results["meta"]
-    lines = [
-        "# Benchmark results\n",
-        f"Generated by `{meta['command']}` on {meta['date']} in {meta['wall_s'] / 60:.1f} min. "
-        "Every section runs its cases side by side in one process, in interleaved rounds; "
+    settled = (
         "each timed sample of update and LeNet times starts once the process's other threads "
-        "are idle and after one untimed call of its case; times are medians with [min-max]; "
-        "the ratios of update and LeNet times are medians "
-        "of per-round ratios within this run, those of compile times ratios of medians. The "
-        "machine is shared and noisy: only ratios within one run mean anything.\n",
-        "## Machine and versions\n",
+        "are idle and after one untimed call of its case"
+        if _on_cpu(meta)
+        else "each timed sample of update and LeNet times follows one untimed call of its case"
+    )
+    noise = (
+        "The machine is shared and noisy: only ratios within one run mean anything."
+        if _on_cpu(meta)
+        else "Only ratios within one run mean anything."
+    )
+    lines = [
+        f"Generated by `{meta['command']}` on {meta['date']} in {meta['wall_s'] / 60:.1f} min. "
+        f"Every section runs its cases side by side in one process, in interleaved rounds; "
+        f"{settled}; times are medians with [min-max]; the ratios of update and LeNet times "
+        f"are medians of per-round ratios within this run, those of compile times ratios of "
+        f"medians. {noise}\n",
+        f"{h} Machine and versions\n",
         _table(["", ""], [[k, v] for k, v in meta["machine"].items()]),
         "",
         _table(["package", "version"], [[k, v] for k, v in meta["versions"].items()]),
@@ -348,9 +396,40 @@ def render(results: dict[str, Any]) -> str:
             lines.append(section(results[key]))
     if results.get("notes"):
         lines += ["## Notes\n", *[f"- {n}" for n in results["notes"]], ""]
-    if ANALYSIS.exists() and not meta.get("quick"):
+    if h != "##":  # the sections write '##' headings and below: move each down
+        deeper = "#" * (len(h) - 2)
+        lines = "\n".join(lines).split("\n")
+        lines = [deeper + ln if ln.startswith("#") else ln for ln in lines]
+    return lines
+
+
+def render(results: dict[str, Any], gpu: dict[str, Any] | None = None) -> str:
+    """The whole report as Markdown; ``gpu``, a GPU run's results, makes a section of its own."""
+    lines = ["# Benchmark results\n", *_body(results, "##")]
+    if gpu:
+        device = gpu["meta"]["machine"].get("GPU", "GPU")
+        lines += [f"## GPU run: {device}\n", *_body(gpu, "###")]
+    if ANALYSIS.exists() and not results["meta"].get("quick"):
         lines.append(ANALYSIS.read_text())
     return "\n".join(lines).rstrip() + "\n"
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One results dict from the runs of several commands on one machine (rows and notes
+    concatenated; the commands joined, their times added)."""
+    out: dict[str, Any] = {"notes": []}
+    for run in runs:
+        for key, _ in SECTIONS:
+            out[key] = out.get(key, []) + run.get(key, [])
+        out["notes"] += [n for n in run.get("notes", []) if n not in out["notes"]]
+    first = runs[0]["meta"]
+    out["meta"] = {
+        **first,
+        "command": "; ".join(r["meta"]["command"] for r in runs),
+        "wall_s": sum(r["meta"]["wall_s"] for r in runs),
+        "configs": [r["meta"]["config"] for r in runs],
+    }
+    return {k: v for k, v in out.items() if v or k in ("notes", "meta")}
 
 
 def machine() -> dict[str, str]:
@@ -380,7 +459,5 @@ def machine() -> dict[str, str]:
         "memory": mem,
         "OS": platform.platform(),
         "JAX devices": f"{len(devices)} x {devices[0].platform} ({devices[0].device_kind})",
-        "GPU": "none in this run: the GPU table is future work"
-        if devices[0].platform == "cpu"
-        else devices[0].device_kind,
+        "GPU": "none in this run" if devices[0].platform == "cpu" else devices[0].device_kind,
     }

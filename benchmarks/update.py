@@ -3,11 +3,12 @@
 For every (size, leaves) configuration and every group, the group's cases and
 a triad over the same arrays run interleaved. The triad (``a + 0.5 * b``,
 ``a`` donated: two reads and one write per parameter) measures the bandwidth
-this run gets; a case that must move ``w`` words per parameter is bounded
-below by ``w / 3`` triads. Ratios are medians of per-round ratios
-(:func:`benchmarks._timing.ratio`). Each row also carries XLA's own account of
-the step (bytes accessed, temporary bytes, ``copy`` instructions) and the page
-faults of one call: XLA:CPU maps large temporaries afresh on every call.
+this run gets; a case that must move ``b`` bytes per parameter is bounded
+below by ``b / (3 * itemsize)`` triads (in float32, ``w`` words: ``w / 3``).
+Ratios are medians of per-round ratios (:func:`benchmarks._timing.ratio`).
+Each row also carries XLA's own account of the step (bytes accessed,
+temporary bytes, ``copy`` instructions) and the page faults of one call:
+XLA:CPU maps large temporaries afresh on every call.
 """
 
 from __future__ import annotations
@@ -73,12 +74,13 @@ def run_update(
     match: str | None = None,
     select_max_leaves: int = 200,
     sample_s: float = 0.05,
+    dtype: str = "float32",
     log: Callable[[str], None] = print,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Times every case; returns one row per (size, leaves, group, case) and notes.
 
     ``configs`` lists ``(params, leaves, groups)``; a config's own groups (when
-    not None) narrow ``groups``.
+    not None) narrow ``groups``. Params and grads are ``dtype``.
     """
     cases = update_cases()
     triad = cases[0]
@@ -87,7 +89,7 @@ def run_update(
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for n_params, n_leaves, only in configs:
-        shapes = param_shapes(n_params, n_leaves)
+        shapes = param_shapes(n_params, n_leaves, dtype)
         grads = random_tree(shapes, seed=0)
         for group in groups or _groups(cases):
             if only is not None and group not in only:
@@ -107,21 +109,24 @@ def run_update(
                 members.append(c)
             if len(members) == 1:
                 continue
-            log(f"update {n_params:,} params x {n_leaves} leaves, {group}: compiling")
+            log(f"update {n_params:,} {dtype} params x {n_leaves} leaves, {group}: compiling")
             runners = {c.name: _Runner(c, shapes, grads, seed=i + 1) for i, c in enumerate(members)}
             calls = {k: _timing.calibrate(r, sample_s) for k, r in runners.items()}
             log(f"  timing {reps} interleaved rounds of {len(members)} cases")
             stats = _timing.interleave(runners, reps, calls)
             t_triad = stats[triad.name]
+            triad_bytes = triad.bytes_per_param(dtype)
             for c in members:
                 s, r = stats[c.name], runners[c.name]
                 copies, copy_bytes = _xla.hlo_copies(r.compiled.executable, n_params // n_leaves)
-                x_bound = _timing.ratio(s, t_triad) * triad.words / c.words
+                case_bytes = c.bytes_per_param(dtype)
+                x_bound = _timing.ratio(s, t_triad) * triad_bytes / case_bytes
                 base = stats.get(c.baseline) if c.baseline else None
                 rows.append(
                     {
                         "params": n_params,
                         "leaves": n_leaves,
+                        "dtype": dtype,
                         "group": group,
                         "case": c.name,
                         **s.as_dict(),
@@ -129,13 +134,15 @@ def run_update(
                         "reps": reps,
                         "calls_per_sample": calls[c.name],
                         "words": c.words,
+                        "f32_words": c.f32_words,
+                        "bytes_per_param": case_bytes,
                         "traffic": c.traffic,
-                        "bound_s": c.words / triad.words * t_triad.median,
+                        "bound_s": case_bytes / triad_bytes * t_triad.median,
                         "x_bound": x_bound,
                         "baseline": c.baseline if base else None,
                         "x_baseline": _timing.ratio(s, base) if base else None,
-                        "bandwidth_gbs": 4 * triad.words * n_params / t_triad.median / 1e9,
-                        "xla_words": r.compiled.bytes_accessed() / (4 * n_params),
+                        "bandwidth_gbs": triad_bytes * n_params / t_triad.median / 1e9,
+                        "xla_words": r.compiled.bytes_accessed() / (triad_bytes / 3 * n_params),
                         "temp_bytes": r.compiled.temp_bytes(),
                         "page_faults": r.page_faults(),
                         "copies": copies,

@@ -10,6 +10,7 @@ import math
 import threading
 import time
 
+import jax
 import pytest
 
 from benchmarks import _timing
@@ -228,6 +229,11 @@ class _Leaky:
 QUIET_S = 0.1
 
 
+# settle waits only on XLA:CPU, whose threads free a call's temporaries after it returns.
+_cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="settle waits on CPU only")
+
+
+@_cpu_only
 def test_settle_waits_for_other_threads_work():
     leaky = _Leaky()
     leaky()
@@ -236,6 +242,7 @@ def test_settle_waits_for_other_threads_work():
     assert not leaky.busy.is_set()
 
 
+@_cpu_only
 def test_interleave_keeps_a_case_apart_from_the_leftovers_of_the_one_before(monkeypatch):
     monkeypatch.setattr(_timing, "settle", functools.partial(_timing.settle, QUIET_S))
     leaky = _Leaky()
@@ -249,3 +256,62 @@ def test_interleave_keeps_a_case_apart_from_the_leftovers_of_the_one_before(monk
     # every sample follows one untimed call of its own case: 4 rounds x (1 + 2) calls
     assert seen == [False] * 12
     _timing.settle(QUIET_S)
+
+
+# --- half-precision params, and a GPU run's report beside the CPU run's -------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_results():
+    config = dataclasses.replace(TINY, sections=("update",), dtype="bfloat16")
+    return cli.run(config, log=lambda line: None, command="test bf16")
+
+
+def test_half_precision_bounds_count_bytes(bf16_results):
+    rows = bf16_results["update"]
+    assert {r["dtype"] for r in rows} == {"bfloat16"}
+    by_case = {(r["group"], r["case"]): r for r in rows}
+    triad = by_case["accumulate", "triad"]
+    acc = by_case["accumulate", "gradtools.accumulate(adam) micro-step"]
+    # The triad moves 3 bfloat16 words; accumulate 4 of them and its float32 buffer's 2.
+    assert (triad["bytes_per_param"], acc["bytes_per_param"]) == (6, 4 * 2 + 2 * 4)
+    assert triad["bandwidth_gbs"] == pytest.approx(6 * 1024 / triad["median_s"] / 1e9)
+    per_round = sorted(a / t for a, t in zip(acc["samples_s"], triad["samples_s"]))
+    assert acc["x_bound"] == pytest.approx(per_round[len(per_round) // 2] * 6 / 16)
+    assert acc["bound_s"] == pytest.approx(16 / 6 * triad["median_s"])
+
+
+def test_half_precision_targets_and_sections_name_the_dtype(bf16_results):
+    found = report.targets(bf16_results)
+    assert found and all(t["where"].endswith(", bfloat16") for t in found)
+    acc = next(
+        r for r in bf16_results["update"] if r["case"] == "gradtools.accumulate(adam) micro-step"
+    )
+    alone = next(t for t in found if "buffer alone" in t["target"])
+    # against the buffer's own read-add-write: read g (2 bytes), read and write acc (4 + 4)
+    assert alone["value"] == pytest.approx(acc["x_bound"] * 16 / 10)
+    text = report.render(bf16_results)
+    assert "### 1K bfloat16 params in 2 leaves" in text
+    assert cli.is_partial(bf16_results["meta"]["config"])
+
+
+def test_runs_merge_and_a_gpu_run_gets_its_own_section(results, bf16_results, tmp_path):
+    merged = report.merge([results, bf16_results])
+    assert len(merged["update"]) == len(results["update"]) + len(bf16_results["update"])
+    assert merged["compile"] == results["compile"]
+    assert merged["meta"]["command"] == "test; test bf16"
+    assert merged["meta"]["wall_s"] == results["meta"]["wall_s"] + bf16_results["meta"]["wall_s"]
+    gpu = {**merged, "meta": {**merged["meta"], "machine": {"GPU": "Some GPU"}}}
+    text = report.render(results, gpu=gpu)
+    head, tail = text.split("## GPU run: Some GPU\n")
+    assert "#### Update cost" not in head and "## Update cost" in head
+    assert "### Update cost" in tail and "\n## Update cost" not in tail
+    assert "#### 1K bfloat16 params in 2 leaves" in tail
+    # The same merge through the command line, saved as one file.
+    files = []
+    for i, run in enumerate((results, bf16_results)):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(run))
+    out = tmp_path / "merged.json"
+    cli.main(["--from-json", *map(str, files), "--json", str(out), "--out", str(tmp_path / "m.md")])
+    assert json.loads(out.read_text())["meta"]["command"] == "test; test bf16"
