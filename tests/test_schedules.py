@@ -150,8 +150,8 @@ def test_mindspore_documented_values(strict_dtypes):
     want = [0.1, 0.1, 0.05, 0.05, 0.05, 0.01, 0.01, 0.01, 0.01, 0.01]
     np.testing.assert_array_equal(np.float32(got), np.float32(want))
     # MindSpore prints float32 scalars: the float32 results are these numbers, exactly on
-    # XLA:CPU; XLA:GPU's cos may be one ulp off (0.055000007).
-    ulps = 0 if jax.default_backend() == "cpu" else 1
+    # XLA:CPU; XLA:GPU's cos may be two ulps off (0.055000007 on an H100).
+    ulps = 0 if jax.default_backend() == "cpu" else 2
     for schedule, want in [
         (S.cosine_decay(0.01, 0.1, 4), 0.055),
         (S.polynomial_decay(0.1, 0.01, 4, 0.5), 0.07363961),
