@@ -382,7 +382,7 @@ def _body(results: dict[str, Any], h: str) -> list[str]:
         f"{settled}; times are medians with [min-max]; the ratios of update and LeNet times "
         f"are medians of per-round ratios within this run, those of compile times ratios of "
         f"medians. {noise}\n",
-        f"{h} Machine and versions\n",
+        "## Machine and versions\n",
         _table(["", ""], [[k, v] for k, v in meta["machine"].items()]),
         "",
         _table(["package", "version"], [[k, v] for k, v in meta["versions"].items()]),

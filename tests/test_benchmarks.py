@@ -306,6 +306,7 @@ def test_runs_merge_and_a_gpu_run_gets_its_own_section(results, bf16_results, tm
     head, tail = text.split("## GPU run: Some GPU\n")
     assert "#### Update cost" not in head and "## Update cost" in head
     assert "### Update cost" in tail and "\n## Update cost" not in tail
+    assert "\n### Machine and versions" in tail
     assert "#### 1K bfloat16 params in 2 leaves" in tail
     # The same merge through the command line, saved as one file.
     files = []
