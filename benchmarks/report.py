@@ -362,8 +362,8 @@ def _on_cpu(meta: dict[str, Any]) -> bool:
     return "x cpu" in meta["machine"].get("JAX devices", "x cpu")
 
 
-def _body(results: dict[str, Any], h: str) -> list[str]:
-    """A run's heading-less report; ``h`` is its section heading level ('##')."""
+def _body(results: dict[str, Any]) -> list[str]:
+    """A run's report without its title: its sections under '##' headings."""
     meta = results["meta"]
     settled = (
         "each timed sample of update and LeNet times starts once the process's other threads "
@@ -396,19 +396,16 @@ def _body(results: dict[str, Any], h: str) -> list[str]:
             lines.append(section(results[key]))
     if results.get("notes"):
         lines += ["## Notes\n", *[f"- {n}" for n in results["notes"]], ""]
-    if h != "##":  # the sections write '##' headings and below: move each down
-        deeper = "#" * (len(h) - 2)
-        lines = "\n".join(lines).split("\n")
-        lines = [deeper + ln if ln.startswith("#") else ln for ln in lines]
     return lines
 
 
 def render(results: dict[str, Any], gpu: dict[str, Any] | None = None) -> str:
     """The whole report as Markdown; ``gpu``, a GPU run's results, makes a section of its own."""
-    lines = ["# Benchmark results\n", *_body(results, "##")]
+    lines = ["# Benchmark results\n", *_body(results)]
     if gpu:
         device = gpu["meta"]["machine"].get("GPU", "GPU")
-        lines += [f"## GPU run: {device}\n", *_body(gpu, "###")]
+        body = "\n".join(_body(gpu)).split("\n")  # its headings one level down
+        lines += [f"## GPU run: {device}\n", *("#" + ln if ln[:1] == "#" else ln for ln in body)]
     if ANALYSIS.exists() and not results["meta"].get("quick"):
         lines.append(ANALYSIS.read_text())
     return "\n".join(lines).rstrip() + "\n"
