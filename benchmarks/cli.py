@@ -107,7 +107,7 @@ def _render(results: dict[str, Any]) -> str:
     """The report; a whole CPU run's also shows the GPU run saved in ``report.GPU_RESULTS``."""
     meta = results["meta"]
     gpu = None
-    if report.GPU_RESULTS.is_file() and "x cpu" in meta["machine"].get("JAX devices", ""):
+    if report.GPU_RESULTS.is_file() and report.on_cpu(meta):
         if not meta["quick"] and not is_partial(meta["config"]):
             gpu = json.loads(report.GPU_RESULTS.read_text())
     return report.render(results, gpu=gpu)

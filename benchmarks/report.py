@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["human", "merge", "render", "targets"]
+__all__ = ["human", "merge", "on_cpu", "render", "targets"]
 
 ANALYSIS = Path(__file__).with_name("ANALYSIS.md")
 #: The rows of the latest GPU run (``--from-json`` of its files, ``--json`` here).
@@ -358,7 +358,8 @@ SECTIONS = (
 )
 
 
-def _on_cpu(meta: dict[str, Any]) -> bool:
+def on_cpu(meta: dict[str, Any]) -> bool:
+    """Whether a run (its ``meta``) ran on XLA:CPU."""
     return "x cpu" in meta["machine"].get("JAX devices", "x cpu")
 
 
@@ -368,12 +369,12 @@ def _body(results: dict[str, Any]) -> list[str]:
     settled = (
         "each timed sample of update and LeNet times starts once the process's other threads "
         "are idle and after one untimed call of its case"
-        if _on_cpu(meta)
+        if on_cpu(meta)
         else "each timed sample of update and LeNet times follows one untimed call of its case"
     )
     noise = (
         "The machine is shared and noisy: only ratios within one run mean anything."
-        if _on_cpu(meta)
+        if on_cpu(meta)
         else "Only ratios within one run mean anything."
     )
     lines = [
