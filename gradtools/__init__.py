@@ -9,13 +9,10 @@ from gradtools.clipping import clip_by_global_norm
 from gradtools.clipping import global_norm
 from gradtools.groups import FreezeState
 from gradtools.groups import ParamGroupsState
-from gradtools.groups import decay_mask
 from gradtools.groups import describe
 from gradtools.groups import freeze
 from gradtools.groups import frozen
-from gradtools.groups import label_params
 from gradtools.groups import param_groups
-from gradtools.groups import path_names
 from gradtools.loss_scale import LossScaleState
 from gradtools.loss_scale import all_finite
 from gradtools.loss_scale import dynamic_loss_scale
@@ -23,6 +20,9 @@ from gradtools.loss_scale import fixed_loss_scale
 from gradtools.loss_scale import loss_scale
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
+from gradtools.naming import decay_mask
+from gradtools.naming import label_params
+from gradtools.naming import path_names
 from gradtools.training import apply_gradients
 from gradtools.training import train_step
 

@@ -1,16 +1,26 @@
-"""Update and apply in one step, through the fast path a transform registers.
+"""The one mechanism of gradtools' wrappers: step the inner transformation, or skip it.
 
-A wrapper whose optimizer work runs inside a ``lax.cond`` (a loss scaler's
-skip, an accumulation window) can apply the updates inside that branch too.
-The updates then never leave it, so XLA needs no parameter-sized buffer for
-them, and a step that does no optimizer work leaves the params untouched
-instead of adding zeros to them. :func:`gradtools.apply_gradients` is the
-public entry point.
+A wrapper (a loss scaler, ``accumulate``, ``freeze``, ``param_groups``) is
+written as one function ``step(grads, state, params, extra_args, fused)``.
+With ``fused=False`` it is optax's ``update`` and returns ``(updates,
+state)``; with ``fused=True`` it also applies the updates and returns
+``(params, state)``. A wrapper that runs its inner step inside a
+``lax.cond`` branch then applies the updates inside that branch too: they
+never leave it, and a step that runs no optimizer returns the params as they
+were instead of adding zeros to them.
+
+:class:`Update` holds both forms in the transformation's own ``update``
+field (``optax.GradientTransformationExtraArgs(init_fn, Update(step))``), so
+they travel with the transformation: through gradtools' wrappers,
+``optax.with_extra_args_support`` and anything else that keeps ``tx.update``.
+Where a wrapper hides it (``optax.chain``, ``optax.inject_hyperparams``),
+:func:`step` falls back to ``update`` and then ``optax.apply_updates``,
+which gives the same result.
 """
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,65 +30,26 @@ from jax import lax
 
 from gradtools import _tree
 
-__all__ = [
-    "cond",
-    "inner_step",
-    "recorded",
-    "register",
-    "step_or_skip",
-    "transformation",
-    "update_and_apply",
-]
+__all__ = ["Update", "cond", "step", "step_or_skip"]
 
-#: ``tx.update`` -> ``apply(grads, state, params, **extra_args) -> (params, state)``.
-_FUSED: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]]
-_FUSED = weakref.WeakKeyDictionary()
+StepFn = Callable[[Any, Any, Any, dict[str, Any], bool], tuple[Any, Any]]
 
 
-def register(update_fn: Callable[..., Any], apply_fn: Callable[..., Any]) -> None:
-    """Records ``apply_fn`` as the update-and-apply form of ``update_fn``.
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """A wrapper's ``update``: called, optax's ``update``; :meth:`apply`, update and apply."""
 
-    ``apply_fn(grads, state, params, **extra_args)`` must return what
-    ``optax.apply_updates(params, updates)`` and the new state would be after
-    ``update_fn(grads, state, params, **extra_args)``.
-    """
-    _FUSED[update_fn] = apply_fn
+    step: StepFn
 
+    def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        return self.step(updates, state, params, extra_args, False)
 
-def transformation(
-    init_fn: Callable[..., Any], step: Callable[..., tuple[Any, Any]]
-) -> optax.GradientTransformationExtraArgs:
-    """``init_fn`` and an ``update`` with a registered fast path, both from one ``step``.
-
-    ``step(updates, state, params, extra_args, fused)`` returns ``(updates,
-    state)``, or with ``fused`` the new params and state.
-    """
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        return step(updates, state, params, extra_args, False)
-
-    def apply_fn(grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
-        return step(grads, state, params, extra_args, True)
-
-    register(update_fn, apply_fn)
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def apply(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
+        """``(params, state)``: what ``update`` then ``optax.apply_updates`` give."""
+        return self.step(grads, state, params, extra_args, True)
 
 
-def update_and_apply(
-    tx: optax.GradientTransformation, grads: Any, state: Any, params: Any, **extra_args: Any
-) -> tuple[Any, Any]:
-    """``(params, state)`` after one step of ``tx``: its fast path, else update then apply."""
-    try:
-        fused = _FUSED.get(tx.update)
-    except TypeError:  # an update function that takes no weak references
-        fused = None
-    if fused is not None:
-        return fused(grads, state, params, **extra_args)
-    updates, state = tx.update(grads, state, params, **extra_args)
-    return optax.apply_updates(params, updates), state
-
-
-def inner_step(
+def step(
     tx: optax.GradientTransformation,
     grads: Any,
     state: Any,
@@ -86,73 +57,54 @@ def inner_step(
     extra_args: dict[str, Any],
     fused: bool,
 ) -> tuple[Any, Any]:
-    """A wrapper calling its inner ``tx``: ``(updates, state)``; fused, ``(params, state)``."""
-    if fused:
-        return update_and_apply(tx, grads, state, params, **extra_args)
-    return tx.update(grads, state, params, **extra_args)
+    """One step of ``tx``: ``(updates, state)``, or fused ``(params, state)``.
 
-
-def recorded(step: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``step``, and a function giving the types of ``step(*args)`` without tracing it again.
-
-    A ``lax.cond`` branch that runs no optimizer must return arrays shaped like
-    the optimizer's updates. ``lax.cond`` traces its true branch first; put
-    the returned ``run`` there and it records the types of its outputs as it
-    is traced, so ``types(*args)`` in the other branch costs nothing. Tracing
-    the optimizer a second time under ``jax.eval_shape`` was a third of a
-    loss-scaled Adam's tracing time at 200 leaves. Where ``run`` has not been
-    traced (a concrete predicate under ``jax.disable_jit`` runs one branch
-    only), ``types`` falls back to ``jax.eval_shape``, once. The types carry
-    each output's dtype and the mesh axes it varies over inside
-    ``jax.shard_map``, which the other branch must match
-    (:func:`gradtools._tree.match_types`).
+    Fused, it takes ``tx``'s update-and-apply form where ``tx.update`` is an
+    :class:`Update`, else ``tx.update`` then ``optax.apply_updates``.
     """
-    seen: list[Any] = []
-
-    def run(*args: Any) -> Any:
-        out = step(*args)
-        seen.append(jax.tree.map(jax.typeof, out))
-        return out
-
-    def types(*args: Any) -> Any:
-        if not seen:
-            seen.append(jax.eval_shape(step, *args))
-        return seen[-1]
-
-    return run, types
+    if not fused:
+        return tx.update(grads, state, params, **extra_args)
+    if isinstance(tx.update, Update):
+        return tx.update.apply(grads, state, params, **extra_args)
+    updates, state = tx.update(grads, state, params, **extra_args)
+    return optax.apply_updates(params, updates), state
 
 
 def cond(pred: jax.Array, run: Callable[..., Any], skip: Callable[..., Any], *operands: Any) -> Any:
-    """``lax.cond(pred, run, skip, *operands)`` around an optimizer step ``run``.
+    """``lax.cond(pred, run, skip, *operands)``, where ``skip(like, *operands)`` runs no optimizer.
 
-    ``skip`` runs no optimizer. It is called as ``skip(types, *operands)``,
-    with the types of ``run``'s outputs (:func:`recorded`), so that it can
-    return arrays shaped like them. Its outputs then take the dtypes of
-    ``run``'s and are marked as varying over the mesh axes ``run``'s vary over
-    inside ``jax.shard_map`` (:func:`gradtools._tree.match_types`), which
-    ``lax.cond`` requires.
+    ``like`` holds the types of ``run``'s outputs, recorded as ``lax.cond``
+    traces ``run`` (its first branch), so that the optimizer is traced once;
+    ``skip``'s outputs are given their dtypes and ``shard_map`` axes
+    (:func:`gradtools._tree.match_types`).
     """
-    run, types = recorded(run)
+    types: list[Any] = []
 
-    def other(*args: Any) -> Any:
-        like = types(*args)
-        return _tree.match_types(skip(like, *args), like)
+    def first(*args: Any) -> Any:
+        out = run(*args)
+        types.append(jax.tree.map(jax.typeof, out))
+        return out
 
-    return lax.cond(pred, run, other, *operands)
+    def second(*args: Any) -> Any:
+        if not types:  # only this branch is traced (a concrete pred under disable_jit)
+            types.append(jax.eval_shape(run, *args))
+        return _tree.match_types(skip(types[-1], *args), types[-1])
+
+    return lax.cond(pred, first, second, *operands)
 
 
 def step_or_skip(
-    pred: jax.Array, step: Callable[..., Any], fused: bool, params: Any, state: Any, *operands: Any
+    pred: jax.Array, run: Callable[[Any], Any], operand: Any, fused: bool, params: Any, state: Any
 ) -> tuple[Any, Any]:
-    """``step(*operands)`` where ``pred`` holds, else no optimizer work (one :func:`cond`).
+    """``run(operand)`` where ``pred`` holds, else no optimizer work.
 
-    ``step`` returns ``(updates, new_state)`` (fused, ``(new_params,
-    new_state)``). Where ``pred`` does not hold the result is ``(params,
-    state)`` when fused, else zero updates shaped like ``step``'s and ``state``.
+    ``run`` returns ``(updates, new_state)``, or fused ``(new_params,
+    new_state)``. A skipped step returns ``(params, state)`` when fused, else
+    zero updates and ``state``.
     """
 
-    def skip(like: Any, *args: Any) -> Any:
-        del args
-        return (params, state) if fused else (_tree.zeros_like_shapes(like[0]), state)
+    def skip(like: Any, operand: Any) -> Any:
+        del operand
+        return (params, state) if fused else (_tree.zeros_like(like[0]), state)
 
-    return cond(pred, step, skip, *operands)
+    return cond(pred, run, skip, operand)

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 __all__ = [
+    "check_like",
     "finite_non_negative",
     "finite_positive",
     "float_dtype",
@@ -228,3 +229,63 @@ def numeric_leaves(caller: str, name: str, tree: Any) -> list[Any]:
                 f"{caller}: {name}{jax.tree_util.keystr(path)}={x!r} must be a numeric array"
             )
     return [x for _, x in pairs]
+
+
+_MAX_SHOWN = 10  # how many differing paths an error message lists
+
+
+def _shorten(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> None:
+    """Raises a ``ValueError`` if ``params`` is given and not shaped like ``updates``.
+
+    Run at trace time, so that a tree mismatch names both trees instead of
+    failing inside ``jax.tree.map`` or the inner optimizer, and so that a leaf
+    of another shape is not silently broadcast (gradients of shape ``(1,)``
+    added to a buffer or to params of shape ``(3,)``).
+
+    Args:
+      caller: the transform's name, to start the message.
+      updates: the gradients or updates passed to ``update``.
+      params: the params passed to ``update`` (or a tree built from them by
+        ``init``); ``None`` means there is nothing to check.
+      name: what ``params`` is called in the message.
+
+    Raises:
+      ValueError: if the tree structures or the shapes of their leaves differ.
+    """
+    if params is None:
+        return
+    u_def, p_def = jax.tree.structure(updates), jax.tree.structure(params)
+    if u_def != p_def:
+        u_paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(updates)
+        ]
+        p_paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
+        ]
+        u_set, p_set = set(u_paths), set(p_paths)
+        only_u = [k for k in u_paths if k not in p_set][:_MAX_SHOWN]
+        only_p = [k for k in p_paths if k not in u_set][:_MAX_SHOWN]
+        raise ValueError(
+            f"{caller}: the updates and the {name} differ in tree structure; pass the "
+            "gradients of the params given to init, and those params.\n"
+            f"  leaves only in updates: {only_u}\n  leaves only in {name}: {only_p}\n"
+            f"  updates: {_shorten(str(u_def))}\n  {name}: {_shorten(str(p_def))}"
+        )
+    odd = [
+        f"{jax.tree_util.keystr(path)}: {jnp.shape(u)} against {jnp.shape(p)}"
+        for (path, u), p in zip(
+            jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)
+        )
+        if jnp.shape(u) != jnp.shape(p)
+    ]
+    if odd:
+        raise ValueError(
+            f"{caller}: the updates and the {name} differ in shape; pass the gradients of "
+            f"the params given to init, and those params.\n  "
+            + "\n  ".join(odd[:_MAX_SHOWN])
+            + (f"\n  ... and {len(odd) - _MAX_SHOWN} more" if len(odd) > _MAX_SHOWN else "")
+        )

@@ -7,13 +7,11 @@ norm is always accumulated in float32, and clipping multiplies each leaf by one
 precomputed float32 factor, so it costs one read of the gradients for the norm
 and nothing per element that XLA cannot fuse into the optimizer that follows.
 
-Put the clip inside the loss scaler, so that it sees unscaled gradients::
+Put the clip inside the loss scaler, so that it sees unscaled gradients (and
+takes the sums of squares the scaler computes anyway)::
 
     tx = gradtools.dynamic_loss_scale(
         optax.chain(gradtools.clip_by_global_norm(1.0), optax.adam(1e-3)))
-
-There, first in the scaler's chain, the L2 norm costs no read of its own: the
-scaler's finiteness check sums the squares in the same pass.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from jax import lax
 
 from gradtools import _checks
 from gradtools import _tree
+from gradtools import _tuning
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -69,13 +68,13 @@ def _magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
     """The p-norm of all leaves for a Python float ``p``."""
-    if p == 2:  # a loss scaler around the clip may have summed the squares already
-        return jnp.sqrt(_tree.reduce_scalars([_tree.square_sum(x) for x in leaves], jnp.sum))
     mags = _magnitudes(leaves)
+    if p == 2:
+        return jnp.sqrt(_tuning.reduce_scalars([jnp.sum(m * m) for m in mags], jnp.sum))
     if p == math.inf:
-        return _tree.reduce_scalars([jnp.max(m, initial=0.0) for m in mags], jnp.max)
+        return _tuning.reduce_scalars([jnp.max(m, initial=0.0) for m in mags], jnp.max)
     if p == 1:
-        return _tree.reduce_scalars([jnp.sum(m) for m in mags], jnp.sum)
+        return _tuning.reduce_scalars([jnp.sum(m) for m in mags], jnp.sum)
     return _scaled_norm(leaves, p)
 
 
@@ -84,7 +83,7 @@ def _scaled_norm(leaves: list[jax.Array], p: Any) -> jax.Array:
     mags = _magnitudes(leaves)
     big = _fixed_norm(leaves, math.inf)
     unit = jnp.where(jnp.isfinite(big) & (big > 0), big, jnp.ones([], jnp.float32))
-    total = _tree.reduce_scalars([jnp.sum((m / unit) ** p) for m in mags], jnp.sum)
+    total = _tuning.reduce_scalars([jnp.sum((m / unit) ** p) for m in mags], jnp.sum)
     return unit * total ** (1.0 / p)
 
 
@@ -141,39 +140,38 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
     return _global_norm(tree, _norm_type(norm_type))
 
 
-def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.GradientTransformation:
+def _known(updates: Any, leaves: list[jax.Array], sums: list[jax.Array]) -> list[jax.Array]:
+    """Each leaf's float32 sum of squares: from ``sums`` for the very arrays in ``leaves``."""
+    given = {id(x): (x, s) for x, s in zip(leaves, sums, strict=True)}
+    out = []
+    for x in jax.tree.leaves(updates):
+        x_, s = given.get(id(x), (None, None))
+        out.append(s if x_ is x else jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))))
+    return out or [jnp.zeros([], jnp.float32)]
+
+
+def clip_by_global_norm(
+    max_norm: float, *, norm_type: float = 2.0
+) -> optax.GradientTransformationExtraArgs:
     """Scales the updates down so that their global norm is at most ``max_norm``.
 
     Each ``update(updates, state, params=None)`` does::
 
-      norm = global_norm(updates, norm_type)            # float32
+      norm = global_norm(updates, norm_type)             # float32
       factor = max_norm / norm if norm > max_norm else 1 # 0 for an inf norm
       updates = (updates * factor).astype(updates.dtype) # one float32 scalar
       grad_norm = norm                                   # kept for metrics()
 
-    Updates whose norm is exactly ``max_norm`` or less pass unchanged (bit
-    for bit, but for subnormal values, which XLA:CPU flushes to zero in any
-    multiplication), larger ones are scaled to norm ``max_norm``. (``optax`` passes
-    only a norm below ``max_norm`` unchanged; at exactly ``max_norm`` it
-    rescales, which may change the last bits.) PyTorch's
-    ``min(1, max_norm / (norm + 1e-6))`` is not used: its epsilon also
-    shrinks updates whose norm is exactly ``max_norm``, and leaves clipped
-    ones just under it, by an amount that depends on the gradients' units.
-
-    An inf norm scales the updates by 0, as optax and PyTorch do: finite
-    entries become 0 and inf entries NaN. It comes from an inf gradient, or
-    from finite gradients too large to square in float32: an L2 norm beyond
-    about 1.8e19, which ``global_norm`` reports as inf. Such a step then hands
-    the optimizer zeros instead of gradients that large. A NaN norm (a NaN
-    gradient) lets the updates pass unchanged, where optax turns every entry
-    into NaN. Either way ``grad_norm`` records the inf or NaN, a loss scaler or
-    ``optax.apply_if_finite`` around the optimizer skips a step whose
-    gradients hold an inf or NaN and counts it, and ``metrics()`` shows why.
-    That record survives only where the clip's state is kept: inside a loss
-    scaler (``dynamic_loss_scale(chain(clip_by_global_norm(...), ...))``) a
-    skipped step leaves the whole inner state as it was, so ``grad_norm``
-    still holds the norm of the last applied step; read ``metrics()['finite']``
-    and ``skipped_steps`` for the skip.
+    Updates whose norm is at most ``max_norm`` pass unchanged, bit for bit
+    (XLA:CPU flushes subnormals to zero). An inf norm (an inf gradient, or an
+    L2 norm beyond float32's range) scales the updates by 0; a NaN norm lets
+    them pass, so that a loss scaler or ``optax.apply_if_finite`` around the
+    optimizer sees the NaN and skips the step. Inside a loss scaler a skipped
+    step leaves ``grad_norm`` as it was. Right inside
+    :func:`gradtools.dynamic_loss_scale` or :func:`gradtools.fixed_loss_scale`
+    the L2 norm costs no pass of its own: the scaler passes the sums of
+    squares of the gradients it hands on as the extra argument
+    ``square_sums=(leaves, sums)``, used for those very arrays only.
 
     Args:
       max_norm: the largest global norm let through; finite and > 0. May be
@@ -181,7 +179,7 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
       norm_type: ``p`` of the norm: any number >= 1, or ``float('inf')``.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`ClipByGlobalNormState`.
 
     Raises:
@@ -197,11 +195,9 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
 
     References:
       Pascanu et al., `On the difficulty of training recurrent neural networks
-      <https://arxiv.org/abs/1211.5063>`_, 2013. Matches
-      ``optax.clip_by_global_norm`` but for the differences above (a norm of
-      exactly ``max_norm``, a NaN norm, and float16 gradients, whose norm
-      optax sums in float16), ``torch.nn.utils.clip_grad_norm_``
-      (``norm_type``) and MindSpore's ``ops.clip_by_global_norm``.
+      <https://arxiv.org/abs/1211.5063>`_, 2013. ``optax.clip_by_global_norm``,
+      ``torch.nn.utils.clip_grad_norm_`` and MindSpore's
+      ``ops.clip_by_global_norm``; ``docs/guides`` list the differences.
     """
     _checks.finite_positive("max_norm", max_norm)
     p = _norm_type(norm_type)
@@ -210,12 +206,15 @@ def clip_by_global_norm(max_norm: float, *, norm_type: float = 2.0) -> optax.Gra
         del params
         return ClipByGlobalNormState(grad_norm=jnp.zeros([], jnp.float32))
 
-    def update_fn(updates, state, params=None):
-        del state, params
+    def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
+        del state, params, extra_args
         _checks.real_leaves("clip_by_global_norm", "updates", updates)
-        norm = _global_norm(updates, p)
+        if isinstance(p, float) and p == 2 and square_sums is not None:  # summed by a loss scaler
+            norm = jnp.sqrt(_tuning.reduce_scalars(_known(updates, *square_sums), jnp.sum))
+        else:
+            norm = _global_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)
         factor = jnp.where(norm > limit, limit / norm, jnp.ones([], jnp.float32))
         return _tree.scale_f32(updates, factor), ClipByGlobalNormState(grad_norm=norm)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

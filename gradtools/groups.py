@@ -1,16 +1,8 @@
 """Parameter groups: freeze layers and give each group its own optimizer, by name.
 
-Every parameter has a path name: the keys of the dicts, the fields of the
-dataclasses and NamedTuples and the indices of the sequences on the way to it,
-joined by ``/``. A Flax Linen ``Conv`` called ``conv1`` owns
-``'params/conv1/kernel'`` and ``'params/conv1/bias'``; the same layer of a Flax
-NNX model, seen through ``nnx.state(model, nnx.Param)``, owns ``'conv1/kernel'``
-(an ``nnx.Variable`` counts as one leaf). Rules are ordered ``(regex, value)``
-pairs; a parameter takes the value of the first rule whose regex
-``re.search``-es its name.
-
 This is PyTorch's ``requires_grad = False`` plus per-group optimizers, and
-MindSpore's ``group_params``, as optax transforms::
+MindSpore's ``group_params``, as optax transforms over the path names of
+:mod:`gradtools.naming`::
 
     tx = gradtools.param_groups(
         [(r'conv', optax.sgd(0.01, momentum=0.9)), (r'^params/fc1/', gradtools.frozen())],
@@ -20,30 +12,33 @@ MindSpore's ``group_params``, as optax transforms::
 Each group's transform sees only its own parameters (the others are
 ``optax.MaskedNode``, an empty subtree), so frozen parameters hold no optimizer
 state at all and a global transform such as gradient clipping inside a group
-measures that group alone. Rules are checked against the parameter names when
-the names are known, at ``init`` (and again when ``update`` is traced): a rule
-that matches nothing, or a parameter that matches no rule while there is no
-default, is a ``ValueError`` that lists the names, so a typo never trains
-everything silently.
+measures that group alone. A rule that matches nothing, or a parameter that
+matches no rule while there is no default, is a ``ValueError`` that lists the
+names, so a typo never trains everything silently.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import sys
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from gradtools import _apply
 from gradtools import _checks
-from gradtools import _tree
+from gradtools.naming import _assign
+from gradtools.naming import _flatten
+from gradtools.naming import _listing
+from gradtools.naming import _parse_rules
+from gradtools.naming import _shape_dtype
+from gradtools.naming import decay_mask
+from gradtools.naming import label_params
+from gradtools.naming import path_names
 
 __all__ = [
     "FreezeState",
@@ -56,9 +51,6 @@ __all__ = [
     "param_groups",
     "path_names",
 ]
-
-_Rules = list[tuple[re.Pattern[str], Any]]
-_MAX_NAMES = 100  # how many names an error message lists
 
 
 class ParamGroupsState(NamedTuple):
@@ -82,171 +74,6 @@ class FreezeState(NamedTuple):
     """
 
     inner_state: optax.OptState
-
-
-# -- names ---------------------------------------------------------------------------------------
-
-
-def _is_variable(x: Any) -> bool:
-    """Whether ``x`` is a Flax ``nnx.Variable`` (one leaf, whatever its insides)."""
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Variable)
-
-
-def _key_name(key: Any) -> str:
-    if isinstance(key, jax.tree_util.DictKey):
-        return str(key.key)
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return key.name
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def _is_box(x: Any) -> bool:
-    """Whether ``x`` is a Flax metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``)."""
-    meta = sys.modules.get("flax.core.meta")
-    return meta is not None and isinstance(x, meta.AxisMetadata)
-
-
-_BOXED = jax.tree_util.GetAttrKey("value")
-
-
-def _unboxed(paths: list[tuple[Any, ...]], tree: Any) -> list[tuple[Any, ...]]:
-    """``paths`` without the ``value`` field of each Flax metadata box on them.
-
-    ``nn.with_partitioning`` wraps a param in a box whose array is its field
-    ``value``: the kernel is named ``params/Dense_0/kernel``, not
-    ``params/Dense_0/kernel/value``, as it is without partitioning.
-    """
-    if "flax.core.meta" not in sys.modules:
-        return paths
-    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_box(x))[0]
-    boxes = {tuple(path) for path, x in found if _is_box(x)}
-    if not boxes:
-        return paths
-    out = []
-    for path in paths:
-        for n in range(len(path)):
-            if path[n] == _BOXED and tuple(path[:n]) in boxes:
-                path = (*path[:n], *path[n + 1 :])
-                break
-        out.append(tuple(path))
-    return out
-
-
-def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """Path names, leaves (``nnx.Variable``s whole) and treedef of ``tree``."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
-    paths = _unboxed([path for path, _ in pairs], tree)
-    names = ["/".join(_key_name(k) for k in path) for path in paths]
-    return names, [leaf for _, leaf in pairs], treedef
-
-
-def _array(leaf: Any) -> Any:
-    """The array (or ShapeDtypeStruct) a leaf holds."""
-    return jax.tree.leaves(leaf)[0] if _is_variable(leaf) else leaf
-
-
-def path_names(params: Any) -> Any:
-    """The path name of every leaf: keys, fields and indices joined by ``/``.
-
-    Args:
-      params: a pytree: Flax Linen variables, an ``nnx.State``, nested
-        dicts/lists/tuples/NamedTuples/dataclasses. ``None`` and empty subtrees
-        stay as they are; an ``nnx.Variable`` is one leaf; a param boxed by
-        ``nn.with_partitioning`` is named as it would be unboxed.
-
-    Returns:
-      A pytree of the structure of ``params`` with a ``str`` at every leaf.
-
-    Example:
-      >>> names = gradtools.path_names({'params': {'conv1': {'kernel': 0, 'bias': 0}},
-      ...                               'heads': [0, (0, 0)]})
-      >>> jax.tree.leaves(names)
-      ['heads/0', 'heads/1/0', 'heads/1/1', 'params/conv1/bias', 'params/conv1/kernel']
-    """
-    names, _, treedef = _flatten(params)
-    return treedef.unflatten(names)
-
-
-# -- rules ---------------------------------------------------------------------------------------
-
-
-def _parse_rules(rules: Any, arg: str = "rules") -> _Rules:
-    if isinstance(rules, (str, dict)) or not isinstance(rules, Sequence):
-        raise TypeError(f"{arg}={rules!r} must be a sequence of (regex, value) pairs")
-    parsed = []
-    for i, rule in enumerate(rules):
-        if not isinstance(rule, (tuple, list)) or len(rule) != 2:
-            raise TypeError(f"{arg}[{i}]={rule!r} must be a (regex, value) pair")
-        parsed.append((_checks.regex(f"{arg}[{i}][0]", rule[0]), rule[1]))
-    return parsed
-
-
-def _listing(names: list[str]) -> str:
-    shown = "\n".join(f"  {n}" for n in names[:_MAX_NAMES])
-    more = f"\n  ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
-    return f"The parameter names are:\n{shown}{more}"
-
-
-def _assign(names: list[str], rules: _Rules, has_default: bool, caller: str) -> list[int]:
-    """For each name, the index of its first matching rule (``len(rules)``: default)."""
-    index = [
-        next((i for i, (rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
-    ]
-    unmatched = [n for n, i in zip(names, index) if i == len(rules)]
-    if unmatched and not has_default:
-        raise ValueError(
-            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
-            f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
-        )
-    for i, (rx, _) in enumerate(rules):
-        if i not in index:
-            why = (
-                "every parameter it matches is taken by an earlier rule"
-                if any(rx.search(n) for n in names)
-                else "it matches no parameter"
-            )
-            raise ValueError(
-                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
-            )
-    return index
-
-
-def label_params(params: Any, rules: Sequence[tuple[str, Any]], default: Any = None) -> Any:
-    """Labels every parameter with the value of the first rule that matches its name.
-
-    Args:
-      params: a pytree of parameters (see :func:`path_names`).
-      rules: ordered ``(regex, label)`` pairs; a parameter takes the label of
-        the first rule whose regex ``re.search``-es its path name (a string,
-        or compiled with ``re.compile``, e.g. for ``re.IGNORECASE``). Labels
-        should be leaves (str, int, bool), e.g. ``False`` for a weight-decay mask.
-      default: the label of parameters that match no rule; ``None`` means
-        every parameter must match a rule.
-
-    Returns:
-      A pytree of the structure of ``params`` holding the labels.
-
-    Raises:
-      TypeError: if ``rules`` is not a sequence of pairs or a regex is not a str.
-      ValueError: if a regex is invalid, a rule matches no parameter (or only
-        parameters that earlier rules took), or a parameter matches no rule
-        while ``default is None``; the message lists the parameter names.
-
-    Example:
-      >>> params = {'conv': {'kernel': jnp.ones((3, 3)), 'bias': jnp.ones(3)}, 'fc': jnp.ones(2)}
-      >>> gradtools.label_params(params, [(r'bias$', 'no_decay'), (r'conv', 'conv')], 'rest')
-      {'conv': {'bias': 'no_decay', 'kernel': 'conv'}, 'fc': 'rest'}
-    """
-    parsed = _parse_rules(rules)
-    names, _, treedef = _flatten(params)
-    index = _assign(names, parsed, default is not None, "label_params")
-    values = [value for _, value in parsed] + [default]
-    return treedef.unflatten([values[i] for i in index])
 
 
 # -- transforms ----------------------------------------------------------------------------------
@@ -313,7 +140,7 @@ def _update_groups(txs, states, updates, params, index, extra_args, fused=False)
     """Runs each group's transform on its own leaves and merges the results.
 
     Returns the updates, or with ``fused`` the new params: each group then takes
-    its own fast path (:func:`gradtools._apply.update_and_apply`), and a frozen
+    its own fast path (:func:`gradtools._apply.step`), and a frozen
     group leaves its params as they are instead of adding zeros to them.
     """
     _, leaves, treedef = _flatten(updates)
@@ -324,9 +151,7 @@ def _update_groups(txs, states, updates, params, index, extra_args, fused=False)
         if fused and _is_frozen(tx):
             new = group_params
         elif fused:
-            new, state = _apply.update_and_apply(
-                tx, group_updates, state, group_params, **extra_args
-            )
+            new, state = _apply.step(tx, group_updates, state, group_params, extra_args, True)
         else:
             new, state = tx.update(group_updates, state, group_params, **extra_args)
         for j, x in enumerate(treedef.flatten_up_to(new)):
@@ -419,14 +244,14 @@ def param_groups(
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
-        _tree.check_like("param_groups", updates, params)
+        _checks.check_like("param_groups", updates, params)
         index = index_of(updates)
         out, states = _update_groups(
             txs, state.group_states, updates, params, index, extra_args, fused
         )
         return out, ParamGroupsState(states)
 
-    return _apply.transformation(init_fn, step)
+    return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
 
 
 def freeze(
@@ -499,70 +324,13 @@ def freeze(
         return FreezeState(_init_groups(txs, params, index_of(params))[0])
 
     def step(updates, state, params, extra_args, fused):
-        _tree.check_like("freeze", updates, params)
+        _checks.check_like("freeze", updates, params)
         states = (state.inner_state, optax.EmptyState())
         index = index_of(updates)
         out, states = _update_groups(txs, states, updates, params, index, extra_args, fused)
         return out, FreezeState(states[0])
 
-    return _apply.transformation(init_fn, step)
-
-
-# -- helpers for weight decay and inspection -----------------------------------------------------
-
-_NO_DECAY_NAMES = ("bias", "scale")
-
-
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], str]:
-    a = _array(leaf)
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-        a = np.asarray(a)
-    # The dtype JAX computes in: a Python float or a NumPy float64 array is
-    # float32 inside a jitted step unless x64 is on.
-    return tuple(a.shape), np.dtype(jax.dtypes.canonicalize_dtype(a.dtype)).name
-
-
-def decay_mask(params: Any) -> Any:
-    """``True`` for the parameters weight decay should shrink: no biases, no norm scales.
-
-    A parameter is excluded (``False``) when the last component of its path
-    name is ``bias`` or ``scale`` (``attn_bias`` is not), or when it has fewer
-    than 2 dimensions. The names cover Flax
-    Linen and NNX ``Dense``/``Linear``/``Conv``/``DenseGeneral`` biases
-    (``DenseGeneral``'s may be 2-D) and the ``scale``/``bias`` of
-    ``LayerNorm``, ``BatchNorm``, ``GroupNorm`` and ``RMSNorm``; the
-    dimension rule covers other naming schemes (Haiku's ``b``/``offset``, a
-    converted PyTorch norm's ``weight``) and scalar parameters. Kernels and
-    embeddings are decayed. For other rules, build the mask with
-    :func:`label_params`, e.g. ``lambda p: label_params(p, [(r'bias$', False)], True)``.
-
-    Args:
-      params: a pytree of parameters, updates or ``jax.ShapeDtypeStruct``s.
-
-    Returns:
-      A pytree of bools of the structure of ``params``; pass the function
-      itself as ``mask=`` of ``optax.adamw`` or ``optax.add_decayed_weights``.
-
-    Example:
-      >>> import optax
-      >>> params = {'fc': {'kernel': jnp.ones((2, 3)), 'bias': jnp.ones(3)},
-      ...           'norm': {'scale': jnp.ones(3)}}
-      >>> gradtools.decay_mask(params)
-      {'fc': {'bias': False, 'kernel': True}, 'norm': {'scale': False}}
-      >>> tx = optax.adamw(1e-3, weight_decay=1e-4, mask=gradtools.decay_mask)
-
-    References:
-      Loshchilov & Hutter, `Decoupled Weight Decay Regularization
-      <https://arxiv.org/abs/1711.05101>`_, 2019; the "no decay on bias and
-      LayerNorm weights" rule of BERT's and timm's optimizers.
-    """
-    names, leaves, treedef = _flatten(params)
-    return treedef.unflatten(
-        [
-            n.rsplit("/", 1)[-1] not in _NO_DECAY_NAMES and len(_shape_dtype(x)[0]) >= 2
-            for n, x in zip(names, leaves)
-        ]
-    )
+    return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
 
 
 def describe(params: Any, rules: Sequence[tuple[str, Any]] | None = None) -> str:

@@ -17,14 +17,11 @@ The training loop needs two calls::
 yourself, ``params, opt_state = gradtools.apply_gradients(tx, grads,
 opt_state, params)`` gives what ``tx.update`` followed by
 ``optax.apply_updates`` gives, but applies the updates inside the branch
-that computes them, so XLA stores no parameter-sized buffer for them (0.4x
-to 0.8x the time of the two calls on CPU, in 8 leaves of 1M to 64M params,
-``benchmarks/RESULTS.md``).
+that computes them, so XLA stores no parameter-sized buffer for them.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -37,7 +34,7 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
-from gradtools import _tree
+from gradtools import _tuning
 
 __all__ = [
     "LossScaleState",
@@ -86,61 +83,23 @@ def all_finite(tree: Any) -> jax.Array:
       False
     """
     leaves = _checks.numeric_leaves("all_finite", "tree", tree)
-    flags = [_leaf_finite(jnp.asarray(x)) for x in leaves]
-    if not flags:
-        return jnp.array(True)
-    return _tree.reduce_scalars(flags, jnp.all)
+    flags = [_tuning.leaf_finite(jnp.asarray(x)) for x in leaves]
+    return _tuning.reduce_scalars(flags, jnp.all) if flags else jnp.array(True)
 
 
-def _leaf_finite(x: jax.Array) -> jax.Array:
-    """``isfinite(x).all()`` as one float reduction: ``isfinite(sum(x - x))``.
-
-    ``x - x`` is 0 for finite ``x`` and NaN for inf or NaN, and a NaN survives
-    any summation order. XLA:CPU fuses the producer of ``x`` into this float
-    sum and reads ``x`` once, where ``isfinite(x).all()`` writes a bool array
-    (a temporary of a quarter of ``x``'s bytes) and reduces it in more passes.
-    """
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.array(True)
-    return jnp.isfinite(jnp.sum(x - x))
-
-
-def _float_leaves(tree: Any) -> list[jax.Array]:
-    """The leaves that can hold inf or NaN."""
-    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-
-
-def _checked_square_sums(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Per leaf, ``sum(x * x + (x - x))`` in float32: both what the scaler needs and a clip's norm.
-
-    ``x - x`` is 0 for finite ``x`` and NaN for inf or NaN, so a leaf's sum is
-    NaN exactly when the leaf holds a non-finite value (the squares are never
-    negative, so an overflow of finite ones gives +inf, never NaN); otherwise
-    it is the leaf's sum of squares, which a ``clip_by_global_norm`` inside the
-    scaler then takes instead of reading the gradients again
-    (:func:`_tree.square_sums_known`). XLA fuses the unscaling into this
-    reduction, so it reads the scaled gradients once.
-    """
-    return [jnp.sum(y * y + (y - y)) for y in (x.astype(jnp.float32) for x in leaves)]
-
-
-def _unscale(updates: Any, inv_scale: jax.Array, params: Any) -> Any:
-    """``updates * inv_scale`` in float32, cast to each param's dtype (float32 without params).
-
-    Each leaf gets its own copy of the scalar (:func:`_tree.distinct_scalars`), made
-    where it is used, so that a ``lax.cond`` branch receives one scalar, not one per
-    leaf (XLA:CPU's compile time grows with the square of a conditional's operands).
-    """
-    leaves, treedef = jax.tree.flatten(updates)
-    factors = _tree.distinct_scalars(inv_scale, leaves)
-    if params is None:
-        out = [g.astype(jnp.float32) * f for g, f in zip(leaves, factors)]
-    else:
-        like = treedef.flatten_up_to(params)
-        out = [
-            (g.astype(jnp.float32) * f).astype(p.dtype) for g, f, p in zip(leaves, factors, like)
+def _unscale(grads: Any, inv_scale: jax.Array, params: Any) -> Any:
+    """``grads * inv_scale`` in float32, cast to each param's dtype (float32 without params)."""
+    leaves, treedef = jax.tree.flatten(grads)
+    like = leaves if params is None else treedef.flatten_up_to(params)
+    factors = _tuning.distinct_scalars(inv_scale, leaves)
+    return treedef.unflatten(
+        [
+            (jnp.asarray(g).astype(jnp.float32) * f).astype(
+                jnp.float32 if params is None else jnp.result_type(p)
+            )
+            for g, f, p in zip(leaves, factors, like)
         ]
-    return jax.tree.unflatten(treedef, out)
+    )
 
 
 _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -168,42 +127,32 @@ def _loss_scaler(
             inner_state=inner.init(params),
         )
 
-    def step(updates, state, params, extra_args, fused):
-        """``update`` (``fused=False``), or ``update`` and ``apply_updates`` in one.
-
-        Returns the updates (or, when ``fused``, the new params) and the new state.
-        """
-        _tree.check_like(caller, updates, params)
-        _checks.real_leaves(caller, "updates", updates)
-        # The unscaled gradients are never stored: they are recomputed inside the
-        # finiteness reduction and inside inner's own fusions (one scalar per leaf,
-        # see _tree.distinct_scalars). Storing them costs a parameter-sized write
-        # and read, and on XLA:CPU a temporary buffer faulted in on every step.
+    def step(grads, state, params, extra_args, fused):
+        _checks.check_like(caller, grads, params)
+        _checks.real_leaves(caller, "updates", grads)
         inv_scale = 1.0 / state.loss_scale
-        sums = _checked_square_sums(_float_leaves(_unscale(updates, inv_scale, params)))
-        finite = ~jnp.isnan(_tree.reduce_scalars(sums, jnp.sum)) if sums else jnp.array(True)
+        # One read of the gradients gives both: a leaf's sum is NaN iff it is not finite.
+        sums = [
+            _tuning.checked_square_sum(x)
+            for x in jax.tree.leaves(_unscale(grads, inv_scale, params))
+        ]
+        finite = ~jnp.isnan(_tuning.reduce_scalars(sums, jnp.sum)) if sums else jnp.array(True)
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
 
-        def run(_):  # fused, the updates never leave the branch: no buffer for them
-            grads = _unscale(updates, inv_scale, params)
-            # Offered only where this branch runs on finite steps alone: otherwise a
-            # sum may be NaN where a clip's own norm would say inf.
-            known = (
-                _tree.square_sums_known(_float_leaves(grads), sums)
-                if skip_nonfinite
-                else contextlib.nullcontext()
-            )
-            with known:
-                return _apply.inner_step(inner, grads, state.inner_state, params, extra_args, fused)
+        def run(grads):  # unscaled again here, so that XLA need not store the unscaled copy
+            unscaled = _unscale(grads, inv_scale, params)
+            extra = extra_args
+            if skip_nonfinite:  # finite here: a clip_by_global_norm right inside reuses the sums
+                extra = {"square_sums": (jax.tree.leaves(unscaled), sums), **extra_args}
+            return _apply.step(inner, unscaled, state.inner_state, params, extra, fused)
 
         if skip_nonfinite:
             out, inner_state = _apply.step_or_skip(
-                finite, run, fused, params, state.inner_state, None
+                finite, run, grads, fused, params, state.inner_state
             )
         else:
-            out, inner_state = run(None)
-
+            out, inner_state = run(grads)
         scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
         skipped = jnp.where(finite, state.skipped_steps, optax.safe_increment(state.skipped_steps))
         new_state = LossScaleState(
@@ -215,7 +164,7 @@ def _loss_scaler(
         )
         return out, new_state
 
-    return _apply.transformation(init_fn, step)
+    return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
 
 
 def dynamic_loss_scale(
@@ -248,23 +197,19 @@ def dynamic_loss_scale(
     The branch is a ``lax.cond``, so a skipped step does no optimizer work.
     ``grads`` are the gradients of ``scale_loss(loss, opt_state)``. Under
     ``optax.inject_hyperparams`` with half-precision params, pass
-    ``hyperparam_dtype=jnp.float32``: optax casts the hyperparameters to the
-    params' dtype, where the default ``max_scale`` is inf in float16.
+    ``hyperparam_dtype=jnp.float32``.
 
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``) to protect.
-      init_scale: the first scale. PyTorch's ``GradScaler`` starts at 2**16 and
-        MindSpore's ``DynamicLossScaleManager`` at 2**24; 2**15 is the largest
-        power of two that fp16 itself can hold.
+      init_scale: the first scale; 2**15 is the largest power of two that
+        float16 itself can hold.
       growth_factor: multiplies the scale after ``growth_interval`` finite steps
         in a row; > 1.
       backoff_factor: multiplies the scale after an overflow; in (0, 1).
       growth_interval: consecutive finite steps before the scale grows; an int
         >= 1 (MindSpore's ``scale_window``).
       min_scale: the floor of the scale; finite, > 0, <= ``init_scale``.
-      max_scale: the cap of the scale; finite, >= ``init_scale``. With a
-        float16 loss, 2**15 keeps the scale itself finite in float16: above
-        it every growth is an overflow, skipped once per ``growth_interval``.
+      max_scale: the cap of the scale; finite, >= ``init_scale``.
       axis_name: under ``shard_map`` or ``pmap``, the mapped axis over which
         devices agree whether the step is finite, so all take the same branch.
 

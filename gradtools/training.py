@@ -78,7 +78,7 @@ def apply_gradients(
     _checks.is_transform("tx", tx)
     if params is None:
         raise ValueError("apply_gradients: params=None; pass the params the gradients belong to")
-    return _apply.update_and_apply(tx, grads, opt_state, params, **extra_args)
+    return _apply.step(tx, grads, opt_state, params, extra_args, True)
 
 
 def train_step(

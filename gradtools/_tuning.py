@@ -1,0 +1,103 @@
+"""The reductions gradtools keeps in a faster form than the obvious one, each for a measured win.
+
+``benchmarks/ANALYSIS.md`` gives the measurements ("Kept tuning"); each form
+computes exactly what its docstring's plain expression computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradtools import _apply
+from gradtools import _tree
+
+__all__ = [
+    "checked_square_sum",
+    "cond_through_buffer",
+    "distinct_scalars",
+    "leaf_finite",
+    "reduce_scalars",
+]
+
+_FAN_IN = 32  # scalars combined by one fusion in reduce_scalars
+
+
+def leaf_finite(x: jax.Array) -> jax.Array:
+    """``isfinite(x).all()`` as ``isfinite(sum(x - x))``: one float reduction, no bool array."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.array(True)
+    return jnp.isfinite(jnp.sum(x - x))
+
+
+def checked_square_sum(x: jax.Array) -> jax.Array:
+    """``sum(x * x)`` in float32 where ``x`` is finite, else NaN: one read of ``x`` for both.
+
+    ``y + (y - y)`` is ``y`` for a finite value and NaN for inf or NaN, and
+    squares are never negative, so finite values too large to square give
+    +inf, never NaN.
+    """
+    y = x.astype(jnp.float32)
+    z = y + (y - y)
+    return jnp.sum(z * z)
+
+
+def reduce_scalars(scalars: list[jax.Array], reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``reduce(jnp.stack(scalars))``, combined 32 at a time to keep XLA's compile time linear.
+
+    A barrier between the levels stops XLA from fusing them back into one
+    kernel with one input per leaf, whose compile time grows faster than
+    linearly. For sums the order of the float32 additions differs.
+    """
+    while len(scalars) > _FAN_IN:
+        groups = [scalars[i : i + _FAN_IN] for i in range(0, len(scalars), _FAN_IN)]
+        scalars = list(jax.lax.optimization_barrier([reduce(jnp.stack(g)) for g in groups]))
+    return reduce(jnp.stack(scalars))
+
+
+def cond_through_buffer(
+    pred: jax.Array, step: Callable[[Any], tuple[Any, Any]], buffer: Any, state: Any
+) -> tuple[Any, Any, Any]:
+    """``step(buffer)`` where ``pred`` holds, its updates leaving through ``buffer``'s output.
+
+    Returns ``(updates, buffer, state)``; zero updates and ``buffer``, ``state``
+    unchanged where ``pred`` does not hold. Updates typed like ``buffer`` take
+    its place, so that a skipped step writes no zeros to an output of their
+    own (on XLA:CPU a temporary faulted in on every call); ``buffer`` then
+    holds them.
+    """
+    stashed: list[bool] = []
+
+    def run(buffer: Any) -> Any:
+        updates, new_state = step(buffer)
+        types = jax.tree.map(jax.typeof, (updates, buffer))
+        stashed.append(
+            jax.tree.structure(types[0]) == jax.tree.structure(types[1])
+            and all(
+                (u.shape, u.dtype) == (b.shape, b.dtype)
+                for u, b in zip(*map(jax.tree.leaves, types))
+            )
+        )
+        return (updates, new_state, ()) if stashed[-1] else (buffer, new_state, updates)
+
+    def hold(types: Any, buffer: Any) -> Any:
+        return buffer, state, _tree.zeros_like(types[2])
+
+    slot, state, updates = _apply.cond(pred, run, hold, buffer)
+    if stashed[-1]:
+        updates = jax.tree.map(lambda u: jnp.where(pred, u, jnp.zeros([], u.dtype)), slot)
+    return updates, slot, state
+
+
+def distinct_scalars(value: jax.Array, leaves: list[Any]) -> list[jax.Array]:
+    """``value`` as float32, one copy per leaf that XLA cannot merge back into one.
+
+    XLA merges the broadcasts of one scalar to leaves of one shape, and
+    XLA:CPU then writes the merged broadcast out as a parameter-sized array;
+    a barrier per leaf keeps each broadcast inside its own fusion.
+    """
+    value = jnp.asarray(value, jnp.float32)
+    return [jax.lax.optimization_barrier((value, x))[0] for x in leaves]
