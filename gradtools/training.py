@@ -116,21 +116,21 @@ def train_step(
           params, opt_state, m = step(params, opt_state, batch,
                                       update_kwargs={'flush': jnp.array(i == last)})
 
-    With a ``flax.training.train_state.TrainState`` write the three lines
-    yourself; :meth:`TrainState.apply_gradients` runs ``tx.update`` and
-    ``optax.apply_updates`` as above::
+    With a flax ``TrainState`` write the three lines yourself, using
+    :class:`gradtools.TrainState`, whose ``apply_gradients`` is
+    :func:`apply_gradients` and takes ``update_kwargs`` too::
 
-      def step(state, batch):
+      def step(state, batch, last):
           def scaled(p):   # drop scale_loss when tx has no loss scaler
               return gradtools.scale_loss(loss_fn(p, batch), state.opt_state)
           grads = jax.grad(scaled)(state.params)
-          state = state.apply_gradients(grads=grads)
+          state = state.apply_gradients(grads=grads, update_kwargs={'flush': last})
           return state, gradtools.metrics(state.opt_state)
 
     ``state.step`` then counts calls, including skipped steps and
     accumulation micro-steps; the optimizer's own count (and any schedule)
-    counts applied updates only. ``apply_gradients`` cannot pass
-    ``update_kwargs``: call ``state.tx.update`` directly to flush.
+    counts applied updates only. flax's own ``TrainState`` runs the same
+    step but cannot pass ``update_kwargs`` (it hands keywords to ``replace``).
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or
