@@ -1,5 +1,8 @@
 """gradtools: training-loop gradient plumbing for JAX, as Optax transforms."""
 
+from typing import TYPE_CHECKING
+from typing import Any
+
 from gradtools import schedules
 from gradtools._version import __version__
 from gradtools.accumulate import AccumulateState
@@ -26,12 +29,16 @@ from gradtools.naming import path_names
 from gradtools.training import apply_gradients
 from gradtools.training import train_step
 
+if TYPE_CHECKING:  # imported on first use (below): it needs flax
+    from gradtools.train_state import TrainState
+
 __all__ = [
     "AccumulateState",
     "ClipByGlobalNormState",
     "FreezeState",
     "LossScaleState",
     "ParamGroupsState",
+    "TrainState",
     "__version__",
     "accumulate",
     "all_finite",
@@ -53,3 +60,12 @@ __all__ = [
     "schedules",
     "train_step",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``gradtools.TrainState``, imported on first use: the rest needs no flax."""
+    if name == "TrainState":
+        from gradtools.train_state import TrainState
+
+        return TrainState
+    raise AttributeError(f"module 'gradtools' has no attribute {name!r}")

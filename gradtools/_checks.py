@@ -42,6 +42,7 @@ __all__ = [
     "positive_int",
     "real_leaves",
     "regex",
+    "scale_bound",
     "static",
     "traced",
 ]
@@ -70,6 +71,8 @@ def _real(name: str, value: Any) -> float:
         raise ValueError(f"{name}={value!r} must be a real number, not a string")
     if isinstance(value, (bool, np.bool_)):  # float(True) would accept them
         raise ValueError(f"{name}={value!r} must be a real number, not a bool")
+    if np.iscomplexobj(value):  # float(np.complex128(1+1j)) would drop the 1j
+        raise ValueError(f"{name}={value!r} must be a real number, not complex")
     if not isinstance(value, numbers.Real):
         try:
             value = float(value)  # numpy and jax scalars
@@ -115,6 +118,31 @@ def in_open_interval(name: str, value: Any, low: float, high: float) -> None:
 def greater_than_one(name: str, value: Any) -> None:
     """Checks ``1 < value < inf``, in float32."""
     _in_float32(name, value, lambda v: math.isfinite(v) and v > 1, "a finite number > 1")
+
+
+#: The range of a loss scale or its bounds: the value and its float32
+#: reciprocal both normal (XLA flushes subnormal float32 to zero).
+SCALE_RANGE = (2.0**-126, 2.0**126)
+
+
+def scale_bound(name: str, value: Any) -> None:
+    """Checks ``2**-126 <= value <= 2**126`` in float32: it and ``1 / value`` are normal."""
+    finite_positive(name, value)
+    low, high = SCALE_RANGE
+    _in_float32(
+        name,
+        value,
+        lambda v: v >= low,
+        f"at least 2**-126 (~{low:.3g}), the smallest normal float32: XLA flushes a"
+        " subnormal to zero, which would make the scale 0",
+    )
+    _in_float32(
+        name,
+        value,
+        lambda v: v <= high,
+        f"at most 2**126 (~{high:.3g}): its float32 reciprocal, which unscales the"
+        " gradients, would be subnormal, and XLA flushes it to zero, zeroing every gradient",
+    )
 
 
 def positive_int(name: str, value: Any) -> None:

@@ -573,9 +573,16 @@ def from_list(values: Sequence[float]) -> optax.Schedule:
       A list as ``learning_rate=`` of a MindSpore ``nn.Optimizer``.
     """
     try:
-        table = np.asarray(values, np.float64)
-    except (TypeError, ValueError):
+        table = np.asarray(values)
+    except (TypeError, ValueError):  # ragged
         raise ValueError(f"values={values!r} must be a non-empty 1-D sequence of numbers") from None
+    if table.dtype.kind not in "iuf":
+        kind = {"U": "strings", "S": "bytes", "b": "bools", "c": "complex numbers"}
+        raise ValueError(
+            f"values={values!r} must be a non-empty 1-D sequence of real numbers, not of "
+            + kind.get(table.dtype.kind, "other objects")
+        )
+    table = table.astype(np.float64)
     if table.ndim != 1 or table.size == 0:
         raise ValueError(f"values={values!r} must be a non-empty 1-D sequence")
     with np.errstate(over="ignore"):

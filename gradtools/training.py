@@ -81,6 +81,24 @@ def apply_gradients(
     return _apply.step(tx, grads, opt_state, params, extra_args, True)
 
 
+def _split(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from what ``loss_fn`` returned, or an error that says what to pass."""
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                "train_step: with has_aux=True, loss_fn must return a pair (loss, aux), not"
+                f" a {type(out).__name__}"
+            )
+        return out[0], out[1]
+    if isinstance(out, (tuple, list)):
+        raise TypeError(
+            f"train_step: loss_fn returned a {type(out).__name__} of {len(out)}, not a scalar"
+            " loss; if it returns (loss, aux), build the step with"
+            " train_step(loss_fn, tx, has_aux=True)"
+        )
+    return out, None
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     tx: optax.GradientTransformation,
@@ -93,7 +111,7 @@ def train_step(
 
       loss = loss_fn(params, *args, **kwargs)
       grads = grad(scale_loss(loss, opt_state))   # unscaled if no loss scaler
-      updates, opt_state = tx.update(grads, opt_state, params, **update_kwargs)
+      updates, opt_state = tx.update(grads, opt_state, params, value=loss, **update_kwargs)
       params = optax.apply_updates(params, updates)
 
     and returns ``(params, opt_state, metrics)``, where ``metrics`` holds the
@@ -116,21 +134,28 @@ def train_step(
           params, opt_state, m = step(params, opt_state, batch,
                                       update_kwargs={'flush': jnp.array(i == last)})
 
-    With a ``flax.training.train_state.TrainState`` write the three lines
-    yourself; :meth:`TrainState.apply_gradients` runs ``tx.update`` and
-    ``optax.apply_updates`` as above::
+    ``tx.update`` also gets the unscaled loss as ``value`` (optax's name for
+    it, which ``optax.contrib.reduce_on_plateau`` reads), unless
+    ``update_kwargs`` gives a ``value`` or ``tx`` is a plain
+    ``optax.GradientTransformation``, whose ``update`` takes no extra
+    arguments. Wrappers pass it on to their inner optimizer (``accumulate``
+    the last micro-batch's, when its window closes).
 
-      def step(state, batch):
+    With a flax ``TrainState`` write the three lines yourself, using
+    :class:`gradtools.TrainState`, whose ``apply_gradients`` is
+    :func:`apply_gradients` and takes ``update_kwargs`` too::
+
+      def step(state, batch, last):
           def scaled(p):   # drop scale_loss when tx has no loss scaler
               return gradtools.scale_loss(loss_fn(p, batch), state.opt_state)
           grads = jax.grad(scaled)(state.params)
-          state = state.apply_gradients(grads=grads)
+          state = state.apply_gradients(grads=grads, update_kwargs={'flush': last})
           return state, gradtools.metrics(state.opt_state)
 
     ``state.step`` then counts calls, including skipped steps and
     accumulation micro-steps; the optimizer's own count (and any schedule)
-    counts applied updates only. ``apply_gradients`` cannot pass
-    ``update_kwargs``: call ``state.tx.update`` directly to flush.
+    counts applied updates only. flax's own ``TrainState`` runs the same
+    step but cannot pass ``update_kwargs`` (it hands keywords to ``replace``).
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or
@@ -145,7 +170,8 @@ def train_step(
     Raises:
       TypeError: if ``loss_fn`` is not callable or ``tx`` is not a
         GradientTransformation; when ``step`` is called, if ``update_kwargs``
-        is not a dict.
+        is not a dict, or if ``loss_fn`` returns a tuple without ``has_aux``
+        (or anything but a pair with it).
       ValueError: if ``has_aux`` is not a bool.
 
     Example:
@@ -178,12 +204,23 @@ def train_step(
         scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
 
         def objective(p):
-            out = loss_fn(p, *args, **kwargs)
-            loss, aux = out if has_aux else (out, None)
+            loss, aux = _split(loss_fn(p, *args, **kwargs), has_aux)
             return (scale_loss(loss, opt_state) if scaled else loss), (loss, aux)
 
         grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
-        params, opt_state = apply_gradients(tx, grads, opt_state, params, **(update_kwargs or {}))
+        extra = dict(update_kwargs or {})
+        if isinstance(tx, optax.GradientTransformationExtraArgs):
+            extra.setdefault("value", loss)
+        try:
+            params, opt_state = apply_gradients(tx, grads, opt_state, params, **extra)
+        except TypeError as err:
+            if "value" in (update_kwargs or {}) or "'value'" not in str(err):
+                raise
+            raise TypeError(
+                f"train_step: {err}. The step hands tx.update the loss as value=, as optax"
+                " does: an update function of a GradientTransformationExtraArgs must take"
+                " extra keyword arguments it does not use (add **extra_args to it)"
+            ) from err
         out = {"loss": loss, **metrics(opt_state)}
         if has_aux:
             out["aux"] = aux

@@ -534,7 +534,19 @@ BAD = [
     (lambda: S.from_list([]), "non-empty"),
     (lambda: S.from_list([[0.1, 0.2]]), "1-D"),
     (lambda: S.from_list([0.1, -0.2]), "values=.*>= 0"),
+    (lambda: S.from_list(["0.5", "0.25"]), r"values=\['0.5', '0.25'\] .* not of strings"),
+    (lambda: S.from_list([0.5, "0.25"]), r"values=\[0.5, '0.25'\] .* not of strings"),
+    (lambda: S.from_list([True, False]), r"values=\[True, False\] .* not of bools"),
+    (lambda: S.from_list([0.5, 0.25 + 1j]), r"values=.* not of complex numbers"),
+    (lambda: S.from_list([0.5, None]), r"values=\[0.5, None\] .* not of other objects"),
+    (lambda: S.piecewise_constant([2], [np.complex128(0.1 + 1j)]), "values.* not complex"),
 ]
+
+
+def test_from_list_takes_ints_and_numpy_and_jax_numbers():
+    values = [1, np.float64(0.5), jnp.float32(0.25), np.int32(0)]
+    got = S.to_list(S.from_list(values), 5)
+    assert got == [1.0, 0.5, 0.25, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("build, match", BAD, ids=[m for _, m in BAD])

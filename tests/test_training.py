@@ -117,14 +117,24 @@ def test_args_kwargs_and_aux_reach_loss_fn():
     np.testing.assert_allclose(params, [2.5, 3.0])
 
 
-def test_update_kwargs_reach_tx_without_retracing(scale_by_factor):
+def _scale_by_factor():
+    """Multiplies the updates by its extra argument ``factor``, ignoring others (optax's rule)."""
+
+    def update(updates, state, params=None, *, factor, **extra_args):
+        del params, extra_args
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def test_update_kwargs_reach_tx_without_retracing():
     traces = []
 
     def loss_fn(p):
         traces.append(None)
         return jnp.sum(p)
 
-    tx = optax.chain(scale_by_factor, optax.sgd(1.0))
+    tx = optax.chain(_scale_by_factor(), optax.sgd(1.0))
     step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
     params = jnp.zeros(2)
     state = tx.init(params)
@@ -142,6 +152,123 @@ def test_update_kwargs_for_plain_transform_is_an_error():
     step = gradtools.train_step(loss_fn, tx)
     with pytest.raises(TypeError, match="flush"):
         step(jnp.zeros(2), tx.init(jnp.zeros(2)), update_kwargs={"flush": True})
+
+
+def test_a_plain_transform_gets_no_value_and_still_steps():
+    tx = optax.scale(-0.5)  # update(updates, state, params): no extra arguments
+    params, _, m = gradtools.train_step(lambda p: jnp.sum(p**2), tx)(
+        jnp.array([1.0, -2.0]), tx.init(jnp.zeros(2))
+    )
+    np.testing.assert_array_equal(params, [0.0, 0.0])  # p - 0.5 * 2p
+    assert float(m["loss"]) == 5.0
+
+
+def test_an_update_that_refuses_value_is_told_to_take_extra_args(scale_by_factor):
+    tx = optax.chain(scale_by_factor, optax.sgd(1.0))  # update(..., *, factor): no **extra_args
+    step = gradtools.train_step(lambda p: jnp.sum(p), tx)
+    with pytest.raises(TypeError, match=r"'value'.*loss as value=.*add \*\*extra_args to it"):
+        step(jnp.zeros(2), tx.init(jnp.zeros(2)), update_kwargs={"factor": 2.0})
+    # with a value of its own, the error is the update's own
+    with pytest.raises(TypeError, match=r"'value'$"):
+        step(jnp.zeros(2), tx.init(jnp.zeros(2)), update_kwargs={"factor": 2.0, "value": 1.0})
+
+
+def test_a_tuple_loss_without_has_aux_says_to_pass_has_aux():
+    def loss_fn(p):
+        return jnp.sum(p**2), {"norm": jnp.linalg.norm(p)}
+
+    for tx in (optax.sgd(0.1), gradtools.dynamic_loss_scale(optax.sgd(0.1))):
+        step = jax.jit(gradtools.train_step(loss_fn, tx))
+        with pytest.raises(TypeError) as err:
+            step(jnp.ones(2), tx.init(jnp.ones(2)))
+        assert str(err.value) == (
+            "train_step: loss_fn returned a tuple of 2, not a scalar loss; if it returns"
+            " (loss, aux), build the step with train_step(loss_fn, tx, has_aux=True)"
+        )
+
+
+def test_has_aux_with_a_bare_loss_says_what_it_needs():
+    step = gradtools.train_step(lambda p: jnp.sum(p), optax.sgd(0.1), has_aux=True)
+    with pytest.raises(TypeError, match=r"has_aux=True, loss_fn must return a pair \(loss, aux\)"):
+        step(jnp.ones(2), optax.sgd(0.1).init(jnp.ones(2)))
+
+
+def _plateau(lr=2.0):
+    # sgd(2.0) on 0.5 * sum((w * x)**2) with x = 1 maps w to -w: the loss stays
+    # flat until reduce_on_plateau halves the step to 1.0, which lands on 0.
+    return optax.chain(
+        optax.sgd(lr), optax.contrib.reduce_on_plateau(factor=0.5, patience=2, cooldown=0)
+    )
+
+
+def _plateau_loss(w, x):
+    return 0.5 * jnp.sum((w * x) ** 2)
+
+
+def test_reduce_on_plateau_inside_a_loss_scaler_gets_the_loss_as_value():
+    xs = [1.0, 1.0, np.inf, 1.0, 1.0]  # the third step overflows and is skipped
+    tx = gradtools.dynamic_loss_scale(_plateau(), init_scale=8.0)
+    step = jax.jit(gradtools.train_step(_plateau_loss, tx))
+    w = jnp.array([1.0, -2.0])
+    state = tx.init(w)
+    ref_tx = _plateau()  # the same optimizer driven by hand, skipping the overflow
+    ref_w, ref_state = w, ref_tx.init(w)
+    ref_update = jax.jit(ref_tx.update)
+    for x in xs:
+        x = jnp.float32(x)
+        w, state, m = step(w, state, x)
+        loss, grads = jax.value_and_grad(_plateau_loss)(ref_w, x)
+        if np.isfinite(x):
+            updates, ref_state = ref_update(grads, ref_state, ref_w, value=loss)
+            ref_w = optax.apply_updates(ref_w, updates)
+        np.testing.assert_array_equal(w, ref_w)
+        jax.tree.map(np.testing.assert_array_equal, state.inner_state, ref_state)
+    assert int(m["skipped_steps"]) == 1
+    # losses 2.5 (the best), 2.5, skipped, 2.5 (the second flat one: the rate
+    # halves and w lands on 0), 0.0
+    assert float(ref_state[1].scale) == 0.5 and float(ref_state[1].best_value) == 0.0
+    np.testing.assert_array_equal(w, [0.0, 0.0])
+
+
+def test_update_kwargs_value_wins_over_the_loss():
+    tx = _plateau()
+    step = jax.jit(gradtools.train_step(_plateau_loss, tx))
+    w, state = jnp.array([1.0, -2.0]), tx.init(jnp.zeros(2))
+    values = [3.0, 2.0, 1.0, 0.5]  # improving: the rate is never cut
+    for v in values:
+        w, state, _ = step(w, state, jnp.float32(1.0), update_kwargs={"value": jnp.float32(v)})
+    assert float(state[1].scale) == 1.0
+    np.testing.assert_array_equal(w, [1.0, -2.0])  # w -> -w four times
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gradtools.dynamic_loss_scale(optax.adam(0.1), init_scale=4.0),
+        lambda: gradtools.accumulate(optax.adam(0.1), 2),
+        lambda: gradtools.fixed_loss_scale(gradtools.clip_by_global_norm(1.0)),
+    ],
+    ids=["dynamic_loss_scale(adam)", "accumulate(adam)", "fixed_loss_scale(clip)"],
+)
+def test_the_value_is_dropped_by_optimizers_that_take_none(make):
+    """The wrappers hand value= to an inner update that does not take it: nothing changes."""
+    tx = make()
+    step = jax.jit(gradtools.train_step(_plateau_loss, tx))
+    w, state = jnp.array([1.0, -2.0]), tx.init(jnp.zeros(2))
+    ref_w, ref_state = w, tx.init(jnp.zeros(2))
+    for x in (1.0, 2.0, 0.5, 1.5):
+        x = jnp.float32(x)
+        w, state, _ = step(w, state, x)
+        grads = jax.grad(_plateau_loss)(ref_w, x)
+        if optax.tree.get_all_with_path(ref_state, "LossScaleState"):  # scaled by hand
+            grads = grads * gradtools.loss_scale(ref_state)
+        updates, ref_state = tx.update(grads, ref_state, ref_w)
+        ref_w = optax.apply_updates(ref_w, updates)
+    _assert_close(w, ref_w)
+    # (a closed window's buffer is left stale by the fused path: compare the rest)
+    jax.tree.map(_assert_close, state.inner_state, ref_state.inner_state)
+    jax.tree.map(_assert_close, gradtools.metrics(state), gradtools.metrics(ref_state))
+    assert not np.array_equal(w, [1.0, -2.0])
 
 
 def test_donated_buffers_are_reused():

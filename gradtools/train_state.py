@@ -1,0 +1,101 @@
+"""A flax ``TrainState`` whose ``apply_gradients`` takes ``tx.update``'s extra arguments.
+
+This is the one module that imports flax; ``gradtools.TrainState`` imports it
+on first use, so the rest of gradtools needs only jax, optax and numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flax.training import train_state
+
+from gradtools.training import apply_gradients
+
+__all__ = ["TrainState"]
+
+# flax's name for the collection (fp8 scales) that gradients overwrite instead of updating.
+_OVERWRITE = getattr(train_state, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
+
+
+class TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` stepping through :func:`gradtools.apply_gradients`.
+
+    Everything but :meth:`apply_gradients` is flax's: build it with
+    ``TrainState.create(apply_fn=..., params=..., tx=...)``, subclass it to
+    add fields (``batch_stats``), checkpoint it as usual. Its
+    ``apply_gradients`` computes::
+
+      params, opt_state = gradtools.apply_gradients(
+          tx, grads, opt_state, params, **update_kwargs)
+      step = step + 1
+
+    so it takes ``tx.update``'s extra arguments (:func:`gradtools.accumulate`'s
+    ``flush`` and ``weight``, ``value`` for ``optax.contrib.reduce_on_plateau``)
+    and a loss scaler applies the updates inside its skip branch.
+
+    ``step`` counts calls, skipped steps and accumulation micro-steps
+    included; the optimizer's own count, which its schedules read, counts the
+    applied updates.
+
+    Attributes:
+      step: the number of ``apply_gradients`` calls (int).
+      apply_fn: usually ``model.apply`` (not a pytree node).
+      params: the parameters.
+      tx: the optimizer, e.g. ``gradtools.dynamic_loss_scale(optax.adam(1e-3))``
+        (not a pytree node).
+      opt_state: ``tx``'s state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> tx = gradtools.accumulate(optax.sgd(1.0), every_k=4)
+      >>> state = gradtools.TrainState.create(
+      ...     apply_fn=None, params={'w': jnp.zeros(2)}, tx=tx)
+      >>> grads = {'w': jnp.ones(2)}
+      >>> state = state.apply_gradients(grads=grads)   # a micro-step: no update
+      >>> state = state.apply_gradients(grads=grads, update_kwargs={'flush': True})
+      >>> state.params['w'], int(state.step)
+      (Array([-1., -1.], dtype=float32), 2)
+
+    References:
+      flax ``flax.training.train_state.TrainState``.
+    """
+
+    def apply_gradients(
+        self, *, grads: Any, update_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> TrainState:
+        """One optimizer step: new ``params`` and ``opt_state``, ``step + 1``, ``kwargs`` replaced.
+
+        Args:
+          grads: gradients with the structure of ``params`` (scaled by
+            :func:`gradtools.scale_loss` when ``tx`` holds a loss scaler).
+          update_kwargs: extra arguments for ``tx.update``, e.g.
+            ``{'flush': True}`` to close a partial accumulation window; a traced
+            value does not recompile a jitted step. Default: none.
+          **kwargs: other fields to ``replace``, as in flax (e.g.
+            ``batch_stats=...``).
+
+        Returns:
+          The new state.
+
+        Raises:
+          TypeError: if ``update_kwargs`` is not a dict.
+        """
+        if update_kwargs is not None and not isinstance(update_kwargs, Mapping):
+            raise TypeError(
+                f"{update_kwargs=} must be a dict of tx.update's extra arguments,"
+                " e.g. {'flush': True}"
+            )
+        overwrite = isinstance(grads, Mapping) and _OVERWRITE in grads
+        params = self.params["params"] if overwrite else self.params
+        params, opt_state = apply_gradients(
+            self.tx,
+            grads["params"] if overwrite else grads,
+            self.opt_state,
+            params,
+            **(update_kwargs or {}),
+        )
+        if overwrite:  # as flax does: these leaves take the gradients' values
+            params = {"params": params, _OVERWRITE: grads[_OVERWRITE]}
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
