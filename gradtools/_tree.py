@@ -31,18 +31,22 @@ def scale_f32(tree: Any, factor: jax.Array) -> Any:
 
 
 def zeros_like(tree: Any) -> Any:
-    """Zeros typed like the leaves of ``tree`` (arrays or ``jax.typeof`` types), layout included.
+    """Zeros typed like the leaves of ``tree`` (arrays, or types from ``jax.typeof``).
 
-    Inside ``jax.shard_map`` zeros like an array vary over the mesh axes it
-    varies over, as ``lax.cond``'s branches must agree on them.
+    Traced, they are laid out like their leaf on explicit mesh axes (newer
+    jax gives traced zeros no layout otherwise), and inside ``jax.shard_map``
+    they vary over the mesh axes their leaf varies over, as the two branches
+    of a ``lax.cond`` must agree on both.
     """
 
     def zeros(x: Any) -> jax.Array:
+        traced = isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
         t = jax.typeof(x) if isinstance(x, jax.Array) else x
+        out = jnp.zeros(t.shape, t.dtype) if traced else jnp.zeros_like(x)
         sharding = getattr(t, "sharding", None)
-        if any(getattr(sharding, "spec", ())):  # explicit mesh axes: keep the layout
-            return match_types(jnp.zeros(t.shape, t.dtype, out_sharding=sharding), t)
-        return match_types(jnp.zeros(t.shape, t.dtype), t)
+        if traced and any(getattr(sharding, "spec", ())):
+            out = jax.sharding.reshard(out, sharding)
+        return match_types(out, t)
 
     return jax.tree.map(zeros, tree)
 

@@ -25,12 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import optax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _tree
 from gradtools.naming import _assign
 from gradtools.naming import _flatten
 from gradtools.naming import _listing
@@ -86,7 +85,7 @@ def _frozen_init(params: Any) -> optax.EmptyState:
 
 def _frozen_update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
     del params
-    return jax.tree.map(jnp.zeros_like, updates), state
+    return _tree.zeros_like(updates), state
 
 
 def frozen() -> optax.GradientTransformation:
