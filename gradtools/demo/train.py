@@ -165,6 +165,15 @@ def train_epoch(
     of ``stop`` (and its arrays are deleted if the interrupt came during a
     step, which was handed them).
 
+    Args:
+      programs: the run's jitted step and shardings.
+      state: where training stands; its arrays are donated to the first step.
+      ds: the digits; each process reads its own rows of every batch.
+      config: the run's settings (batch size, accumulation, seed, progress bar).
+      epoch: which epoch's shuffled batches to train on.
+      stop: the (global) step to stop at.
+      stop_requested: asked before each step whether to stop early.
+
     Returns:
       The new state, and ``(step, metrics)`` of each step trained.
     """
@@ -213,7 +222,18 @@ def train_epoch(
 
 
 def evaluate(programs: _Programs, params: Any, images: np.ndarray, labels: np.ndarray) -> float:
-    """The percentage of ``images`` (``uint8`` digits) that ``params`` label right."""
+    """The percentage of ``images`` that ``params`` label right.
+
+    Args:
+      programs: the run's jitted functions and shardings.
+      params: the model's parameters.
+      images: ``uint8`` digits ``(n, 28, 28)``, evaluated in chunks of about
+        1,000 split over the devices.
+      labels: their digits, ``(n,)``.
+
+    Returns:
+      The accuracy in percent.
+    """
     n_devices = programs.split.mesh.size
     chunk = n_devices * -(-1000 // n_devices)
     pad = -len(labels) % chunk  # padded examples get label -1 and never count
