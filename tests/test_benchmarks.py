@@ -19,6 +19,8 @@ from benchmarks import report
 from benchmarks.cases import MICRO_K
 from benchmarks.cases import param_shapes
 from benchmarks.cases import update_cases
+from benchmarks.lenet import GRADTOOLS_STACK
+from benchmarks.lenet import PLAIN_OPTAX
 
 # Few cases, few leaves, one round: seconds, not minutes.
 TINY = cli.Config(
@@ -37,7 +39,7 @@ TINY = cli.Config(
     quick=True,
     match=(
         r"^gradtools\.(accumulate|dynamic_loss_scale|apply_gradients)|^jmp"
-        r"|fp32 \(adam\)|eager fp32"
+        r"|^gradtools stack|^plain optax|fp32 \(adam\)|eager fp32"
     ),
 )
 
@@ -106,14 +108,74 @@ def test_memory_rows_count_state_bytes(results):
 
 def test_lenet_rows_or_a_note(results):
     rows = {r["variant"]: r for r in results["lenet"]}
-    assert "gradtools fp32 (adam)" in rows
+    space_to_depth = [v for v in rows if "space-to-depth" in v]
+    assert {GRADTOOLS_STACK, PLAIN_OPTAX, "gradtools fp32 (adam)"} <= set(rows)
+    assert len(space_to_depth) == 1  # the variant in benchmarks/lenet_s2d.py
     for r in rows.values():
         assert r["batch"] == 2 and r["images_per_s"] > 0
+        assert len(r["samples_s"]) == 1 and r["x_plain_optax"] > 0
+    assert rows[PLAIN_OPTAX]["x_plain_optax"] == 1.0
     torch_rows = [r for v, r in rows.items() if v.startswith("PyTorch")]
     if torch_rows:
         assert all(r["baseline"] == torch_rows[0]["variant"] for r in rows.values())
     else:
         assert any("PyTorch is not installed" in n for n in results["notes"])
+    found = {t["target"]: t for t in report.targets(results)}
+    assert "LeNet images/s: gradtools stack / plain optax" in found
+    assert "LeNet fp32 images/s: gradtools / PyTorch eager" not in found  # a CPU run
+
+
+def _lenet_run(device: str, stack_s, plain_s, x_torch=None):
+    """A LeNet section as a run on ``device`` records it, with the given seconds per round."""
+
+    def row(variant, samples, **extra):
+        return {"batch": 256, "variant": variant, "samples_s": samples, "median_s": 0.004,
+                "min_s": 0.004, "max_s": 0.004, "images_per_s": 256.0, **extra}  # fmt: skip
+
+    rows = [
+        row(GRADTOOLS_STACK, stack_s),
+        row(PLAIN_OPTAX, plain_s),
+        row("gradtools fp32 (adam)", [1.0], x_baseline=x_torch),
+    ]
+    return {"lenet": rows, "meta": {"machine": {"JAX devices": f"1 x {device} ({device})"}}}
+
+
+def test_lenet_target_is_the_median_per_round_throughput_ratio():
+    # Per round, plain optax's time over the stack's: 1.1, 0.9, 0.99; median 0.99.
+    run = _lenet_run("cpu", [2.0, 4.0, 1.0], [2.2, 3.6, 0.99])
+    [target] = report.targets(run)
+    assert target["target"] == "LeNet images/s: gradtools stack / plain optax"
+    assert (target["where"], target["limit"], target["at_most"]) == ("batch 256", 0.97, False)
+    assert target["value"] == pytest.approx(0.99) and target["pass"]
+    # 0.9, 0.8, 1.2: median 0.9, short of 0.97.
+    [target] = report.targets(_lenet_run("cpu", [1.0, 1.0, 1.0], [0.9, 0.8, 1.2]))
+    assert target["value"] == pytest.approx(0.9) and not target["pass"]
+
+
+def test_lenet_compares_with_pytorch_on_a_gpu_only():
+    found = report.targets(_lenet_run("gpu", [1.0], [1.0], x_torch=4.5))
+    assert [(t["target"], t["value"]) for t in found] == [
+        ("LeNet images/s: gradtools stack / plain optax", 1.0),
+        ("LeNet fp32 images/s: gradtools / PyTorch eager", 4.5),
+    ]
+    on_cpu = report.targets(_lenet_run("cpu", [1.0], [1.0], x_torch=1.4))
+    assert [t["target"] for t in on_cpu] == ["LeNet images/s: gradtools stack / plain optax"]
+
+
+def test_lenet_section_shows_the_pytorch_column_only_with_pytorch_rows():
+    run = _lenet_run("cpu", [1.0], [1.0])
+    for r in run["lenet"]:
+        r["x_plain_optax"] = 1.25
+    text = report.render({**run, "meta": {**run["meta"], **_META}})
+    assert "| variant | images/s | ms/step | x plain optax |\n" in text
+    assert f"| {GRADTOOLS_STACK} | 256 | 4.00 [4.00-4.00] | 1.25 |" in text
+    run["lenet"][2]["x_baseline"] = 1.5
+    text = report.render({**run, "meta": {**run["meta"], **_META}})
+    assert "| variant | images/s | ms/step | x plain optax | x PyTorch fp32 |\n" in text
+    assert "| gradtools fp32 (adam) | 256 | 4.00 [4.00-4.00] | 1.25 | 1.50 |" in text
+
+
+_META = {"command": "test", "date": "today", "wall_s": 60.0, "versions": {}}
 
 
 def test_report_renders_every_section_and_checks_targets(results):

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,12 +29,10 @@ from gradtools.demo import LeNet5
 from gradtools.demo import data
 from gradtools.demo import train_and_evaluate
 from gradtools.demo.__main__ import main
+from gradtools.demo.__main__ import parser
 from gradtools.demo.checkpoint import Checkpoints
 from gradtools.demo.config import SCHEDULES
-from gradtools.demo.model import ConvReluPool
-from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
-from gradtools.demo.model import init_key
 from gradtools.demo.optim import make_optimizer
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
@@ -97,7 +94,7 @@ def cli_run(small, tmp_path_factory):
 
 
 def _abstract_params():
-    return jax.eval_shape(LeNet5().init, init_key(0), jnp.zeros((1, 32, 32, 1)))
+    return jax.eval_shape(LeNet5().init, jax.random.key(0), jnp.zeros((1, 32, 32, 1)))
 
 
 def test_lenet5_has_61706_parameters_in_float32():
@@ -126,108 +123,41 @@ def test_lenet5_computes_in_its_dtype_and_returns_float32_logits(dtype):
     assert {e.outvars[0].aval.dtype for e in convs + dots} == {jnp.dtype(dtype)}
 
 
-class _FlaxConvReluPool(nn.Module):
-    """The reference: flax's own convolution, ReLU and max pooling."""
+def _numpy_lenet5(params, x):
+    """LeNet-5's forward pass in float64 NumPy, loop by loop, from its parameters."""
+    p = {k: {n: np.asarray(v, np.float64) for n, v in layer.items()} for k, layer in params.items()}
 
-    features: int
-    kernel_size: int = 5
+    def conv_relu_pool(x, layer):  # valid 5x5 convolution, ReLU, 2x2 max pooling
+        k = layer["kernel"]
+        h, w = x.shape[1] - k.shape[0] + 1, x.shape[2] - k.shape[1] + 1
+        y = np.zeros((x.shape[0], h, w, k.shape[3]))
+        for i in range(k.shape[0]):
+            for j in range(k.shape[1]):
+                y += np.einsum("bhwc,co->bhwo", x[:, i : i + h, j : j + w], k[i, j])
+        y = np.maximum(y + layer["bias"], 0.0)
+        return y.reshape(y.shape[0], h // 2, 2, w // 2, 2, -1).max(axis=(2, 4))
 
-    @nn.compact
-    def __call__(self, x):
-        k = self.kernel_size
-        x = nn.Conv(self.features, (k, k), padding="VALID", name="conv")(x)
-        return nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+    x = conv_relu_pool(conv_relu_pool(np.asarray(x, np.float64), p["conv1"]), p["conv2"])
+    x = x.reshape(x.shape[0], -1)
+    for name in ("fc1", "fc2"):
+        x = np.maximum(x @ p[name]["kernel"] + p[name]["bias"], 0.0)
+    return x @ p["fc3"]["kernel"] + p["fc3"]["bias"]
 
 
 _full_float32 = jax.default_matmul_precision("highest")
 
 
-@pytest.mark.parametrize(
-    "kernel_size, shape, features",
-    [(5, (3, 32, 32, 1), 6), (5, (3, 14, 14, 6), 16), (3, (2, 10, 12, 3), 4), (1, (2, 4, 6, 2), 3)],
-)
-@_full_float32  # GPUs convolve float32 in TF32 by default: two ways of it differ by ~1e-3
-def test_conv_relu_pool_matches_flax_conv_relu_max_pool(kernel_size, shape, features):
-    # LeNet-5's two layers, and other kernel sizes and non-square inputs. Continuous
-    # random values have no ties in a pooling window, where the gradients agree.
-    x = jax.random.normal(jax.random.key(1), shape)
-    ref = _FlaxConvReluPool(features, kernel_size)
-    ours = ConvReluPool(features, kernel_size)
-    params = ref.init(jax.random.key(0), x)["params"]["conv"]
-    params = {**params, "bias": jax.random.normal(jax.random.key(2), (features,))}
-    ours_shapes = jax.eval_shape(ours.init, jax.random.key(0), x)["params"]
-    assert jax.tree.map(jnp.shape, ours_shapes) == jax.tree.map(jnp.shape, params)
-
-    def value_and_grads(apply, variables):
-        cotangent = jax.random.normal(jax.random.key(3), apply(variables, x).shape)
-        loss = lambda v, x: jnp.vdot(apply(v, x), cotangent)  # noqa: E731
-        return jax.jit(jax.value_and_grad(loss, (0, 1)))(variables, x), apply(variables, x)
-
-    (r, (r_params, r_x)), r_out = value_and_grads(ref.apply, {"params": {"conv": params}})
-    (o, (o_params, o_x)), o_out = value_and_grads(ours.apply, {"params": params})
-    np.testing.assert_allclose(o_out, r_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(o, r, rtol=1e-5)
-    for name in ("kernel", "bias"):
-        np.testing.assert_allclose(
-            o_params["params"][name], r_params["params"]["conv"][name], rtol=1e-4, atol=1e-4
-        )
-    np.testing.assert_allclose(o_x, r_x, rtol=1e-4, atol=1e-5)
-
-
-def test_conv_relu_pool_splits_the_gradient_between_equal_maxima():
-    # A 1x1 kernel of 1 and no bias: the output is max(relu(window)).
-    layer = ConvReluPool(1, kernel_size=1)
-    params = {"kernel": jnp.ones((1, 1, 1, 1)), "bias": jnp.zeros((1,))}
-    tie = jnp.array([[2.0, 2.0], [0.0, -1.0]]).reshape(1, 2, 2, 1)
-    out, grad = jax.value_and_grad(lambda x: layer.apply({"params": params}, x).sum())(tie)
-    assert out == 2.0
-    np.testing.assert_array_equal(grad.ravel(), [0.5, 0.5, 0.0, 0.0])
-
-
-@pytest.mark.parametrize(
-    "kernel_size, shape, match",
-    [
-        (4, (1, 8, 8, 1), "kernel_size must be odd and positive, got 4"),
-        (0, (1, 8, 8, 1), "kernel_size must be odd and positive, got 0"),
-        (5, (1, 9, 8, 1), r"even and at least kernel_size=5, got \(9, 8\)"),
-        (5, (1, 4, 4, 1), r"even and at least kernel_size=5, got \(4, 4\)"),
-    ],
-)
-def test_conv_relu_pool_rejects_what_it_cannot_compute(kernel_size, shape, match):
-    with pytest.raises(ValueError, match=match):
-        ConvReluPool(2, kernel_size).init(jax.random.key(0), jnp.zeros(shape))
-
-
-@_full_float32
-def test_lenet5_initialises_and_computes_as_with_flax_conv_and_max_pool():
-    class FlaxLeNet5(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for name, features in (("conv1", 6), ("conv2", 16)):
-                x = nn.Conv(features, (5, 5), padding="VALID", name=name)(x)
-                x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
-            x = x.reshape(x.shape[0], -1)
-            x = nn.relu(nn.Dense(120, name="fc1")(x))
-            x = nn.relu(nn.Dense(84, name="fc2")(x))
-            return nn.Dense(10, name="fc3")(x)
-
-    x = jax.random.normal(jax.random.key(4), (4, 32, 32, 1))
-    ours, ref = LeNet5().init(init_key(0), x[:1]), FlaxLeNet5().init(init_key(0), x[:1])
-    _assert_trees_equal(ours, ref)
-    np.testing.assert_allclose(LeNet5().apply(ours, x), FlaxLeNet5().apply(ref, x), atol=1e-5)
-
-
-def test_compiler_options_compile_lenet5_to_the_same_logits():
-    options = compiler_options()
-    assert options == (
-        {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else {}
-    )
+@_full_float32  # GPUs convolve float32 in TF32 by default
+def test_lenet5_computes_lecuns_network():
     model = LeNet5()
-    params = model.init(init_key(0), jnp.zeros((1, 32, 32, 1)))
-    x = jax.random.normal(jax.random.key(3), (8, 32, 32, 1))
-    tuned = jax.jit(model.apply, compiler_options=options)(params, x)
-    default = jax.jit(model.apply)(params, x)
-    np.testing.assert_allclose(tuned, default, rtol=1e-5, atol=1e-5)
+    x = jax.random.normal(jax.random.key(4), (3, 32, 32, 1))
+    variables = model.init(jax.random.key(0), x[:1])
+    # Biases start at zero: give them values, so that the test sees where they are added.
+    variables = jax.tree.map(
+        lambda v: v + 0.1 * jax.random.normal(jax.random.key(5), v.shape), variables
+    )
+    want = _numpy_lenet5(variables["params"], x)
+    np.testing.assert_allclose(model.apply(variables, x), want, rtol=1e-4, atol=1e-5)
 
 
 # The data.
@@ -498,6 +428,62 @@ def test_bad_options_exit_2_with_a_message(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+def test_help_lists_every_option_and_the_multi_host_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    options = [a.option_strings[-1] for a in parser()._actions]
+    assert len(options) == 22 and all(option in out for option in options)
+    assert "--coordinator HOST:PORT" in out and "--num-processes N" in out
+    assert "--process-id I" in out
+    # one line on what runs where
+    assert "process 0 also runs the coordinator" in " ".join(out.split())
+
+
+BAD_HOST_OPTIONS = [
+    (["--coordinator", "localhost"], "--coordinator localhost: expected HOST:PORT"),
+    (["--num-processes", "0"], "--num-processes 0: must be an integer >= 1"),
+    (
+        ["--num-processes", "2", "--process-id", "2"],
+        "--process-id 2: must be an integer from 0 to 1",
+    ),
+    (["--process-id", "-1"], "--process-id -1: must be an integer from 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), BAD_HOST_OPTIONS, ids=[" ".join(a) for a, _ in BAD_HOST_OPTIONS]
+)
+def test_bad_multi_host_options_exit_2_before_jax_starts(monkeypatch, capsys, argv, message):
+    def initialize(**kwargs):
+        raise AssertionError(f"jax.distributed.initialize({kwargs}) was called")
+
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_multi_host_options_initialise_jax_distributed_first(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(
+        sys.modules["gradtools.demo.__main__"],
+        "train_and_evaluate",
+        lambda config: calls.append(config),
+    )
+    argv = ["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1"]
+    assert main([*argv, "--epochs", "3"]) == 0
+    assert calls[0] == {"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
+    assert calls[1].epochs == 3
+    calls.clear()
+    assert main(["--epochs", "3"]) == 0  # one process: no jax.distributed
+    assert len(calls) == 1 and isinstance(calls[0], Config)
+
+
 def test_resume_from_an_empty_directory_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--resume", "--checkpoint-dir", str(tmp_path), "--no-progress"])
@@ -540,7 +526,7 @@ def test_test_accuracy_is_the_share_of_test_digits_predicted(uninterrupted, smal
 def test_frozen_conv_params_stay_bit_identical(uninterrupted):
     _, result = uninterrupted
     # The initial params straight from the model, not through the demo's training code.
-    initial = jax.jit(LeNet5().init)(init_key(0), jnp.zeros((1, 32, 32, 1)))
+    initial = jax.jit(LeNet5().init)(jax.random.key(0), jnp.zeros((1, 32, 32, 1)))
     assert initial["params"]["conv1"]["kernel"].shape == (5, 5, 1, 6)
     for name in ("conv1", "conv2"):
         _assert_trees_equal(result.params["params"][name], initial["params"][name])

@@ -27,6 +27,7 @@ import gradtools
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import api_entries  # noqa: E402  (docs/_ext/api_entries.py: no mkdocs needed)
+import includes  # noqa: E402  (docs/_ext/includes.py: no mkdocs needed)
 
 sys.path.remove(str(ROOT / "docs" / "_ext"))
 DOCS = ROOT / "docs"
@@ -154,3 +155,34 @@ def test_api_check_sees_a_missing_name(monkeypatch):
     monkeypatch.setattr(gradtools, "_not_documented", lambda: None, raising=False)
     with pytest.raises(AssertionError, match="_not_documented"):
         test_every_public_name_has_an_api_entry()
+
+
+def _table_rows(path: pathlib.Path, heading: str) -> list[str]:
+    """The table rows after ``heading`` in ``path``, up to the next line that starts with '#'."""
+    lines = path.read_text().splitlines()
+    start = lines.index(heading) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("#"))
+    return [line for line in lines[start:end] if line.startswith("|")]
+
+
+def test_benchmarks_page_shows_the_targets_of_results_md():
+    results = ROOT / "benchmarks" / "RESULTS.md"
+    page = includes.expand((DOCS / "benchmarks.md").read_text())
+    cpu, gpu = _table_rows(results, "## Targets"), _table_rows(results, "### Targets")
+    assert len(cpu) > 3 and len(gpu) > 3 and cpu != gpu
+    assert "\n".join(cpu) in page and "\n".join(gpu) in page
+    assert "<!-- include" not in page
+
+
+def test_an_include_takes_its_section_and_names_what_is_missing(tmp_path):
+    (tmp_path / "r.md").write_text(
+        "# Title\n## A\nkeep\n### A.1\nkeep too\n```\n## not a heading\n```\n## B\nnot this\n"
+    )
+    page = 'before\n<!-- include r.md "## A" -->\nafter\n'
+    assert includes.expand(page, root=tmp_path) == (
+        "before\nkeep\n### A.1\nkeep too\n```\n## not a heading\n```\nafter\n"
+    )
+    with pytest.raises(ValueError, match="no heading '## C'"):
+        includes.expand('<!-- include r.md "## C" -->', root=tmp_path)
+    with pytest.raises(ValueError, match="nothing.md"):
+        includes.expand('<!-- include nothing.md "## A" -->', root=tmp_path)

@@ -2,6 +2,9 @@
 
 - Every name in ``gradtools.__all__`` (but ``__version__``) must have an
   ``::: gradtools.<name>`` entry in a page under ``docs/api/``.
+- A line ``<!-- include PATH "## Heading" -->`` in a page is replaced by that
+  section of the file (``docs/_ext/includes.py``): ``docs/benchmarks.md``
+  shows the targets of ``benchmarks/RESULTS.md`` this way.
 - The notebooks in ``notebooks/`` are added to the site (and to the nav, under
   "Notebooks") from their committed outputs; a notebook with an error output,
   or with a code cell that was never run, fails the build.
@@ -18,10 +21,12 @@ from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 from mkdocs.structure.files import Files
+from mkdocs.structure.pages import Page
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_entries import API_DIR  # noqa: E402  (a sibling file, not a package)
 from api_entries import undocumented  # noqa: E402  (a sibling file, not a package)
+from includes import expand  # noqa: E402  (a sibling file, not a package)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -78,3 +83,10 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
             )
         )
     return files
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    try:
+        return expand(markdown)
+    except ValueError as e:
+        raise PluginError(f"{page.file.src_path}: {e}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from gradtools.demo.config import LOSS_SCALES
@@ -30,6 +31,11 @@ schedules (over the run's optimizer updates, after any warmup; lr is --lr):
 
 Several devices: the batch is split over all of them (jax.sharding), e.g. 4
 CPU devices with JAX_NUM_CPU_DEVICES=4 python -m gradtools.demo
+
+Several hosts: run the same command on each, with --process-id 0, 1, ...;
+for example, two processes on one machine:
+  python -m gradtools.demo --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 0
+  python -m gradtools.demo --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 1
 """
 
 
@@ -143,6 +149,16 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--plot", metavar="PATH", help="write loss, accuracy, lr, loss scale, grad norm to a PNG")
     a("--no-progress", action="store_true", help="no progress bars, only a line per epoch")
+    hosts = p.add_argument_group(
+        "several hosts (jax.distributed)",
+        "Every process runs this command on the same data and trains on its own share\n"
+        "of each batch; process 0 also runs the coordinator, and alone prints, plots\n"
+        "and writes the checkpoint (put --checkpoint-dir on a shared file system).",
+    )
+    h = hosts.add_argument
+    h("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for all")
+    h("--num-processes", type=int, metavar="N", help="how many processes take part")
+    h("--process-id", type=int, metavar="I", help="this process's number, 0 to N-1")
     return p
 
 
@@ -155,6 +171,32 @@ def _clip_norm(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'none'") from None
 
 
+def _initialize_distributed(args: argparse.Namespace) -> None:
+    """Calls ``jax.distributed.initialize`` when a multi-host option is given.
+
+    On clusters that JAX recognises (Cloud TPU, SLURM, ...) the options left
+    out are found there; elsewhere all three are needed.
+    """
+    given = {
+        "coordinator_address": args.coordinator,
+        "num_processes": args.num_processes,
+        "process_id": args.process_id,
+    }
+    if all(v is None for v in given.values()):
+        return
+    n, i = args.num_processes, args.process_id
+    if args.coordinator is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", args.coordinator):
+        raise ConfigError(f"--coordinator {args.coordinator}: expected HOST:PORT")
+    if n is not None and n < 1:
+        raise ConfigError(f"--num-processes {n}: must be an integer >= 1")
+    if i is not None and (i < 0 or n is not None and i >= n):
+        upper = "" if n is None else f" to {n - 1}"
+        raise ConfigError(f"--process-id {i}: must be an integer from 0{upper}")
+    import jax
+
+    jax.distributed.initialize(**given)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo with the options in ``argv`` (default ``sys.argv[1:]``).
 
@@ -165,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = parser()
     args = p.parse_args(argv)
+    try:
+        _initialize_distributed(args)  # before anything else asks JAX for its devices
+    except ConfigError as e:
+        p.error(str(e))
     config = Config(
         epochs=args.epochs,
         batch_size=args.batch_size,

@@ -118,6 +118,10 @@ def validate(config: Config, n_devices: int) -> None:
         f"devices={config.devices}: this machine has {len(jax.devices())}",
     )
     need(
+        config.devices in (None, len(jax.devices())) or jax.process_count() == 1,
+        f"devices={config.devices}: with {jax.process_count()} processes, every device trains",
+    )
+    need(
         config.batch_size % n_devices == 0,
         f"--batch-size {config.batch_size} does not split over {n_devices} devices: "
         f"use a multiple of {n_devices}",

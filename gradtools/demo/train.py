@@ -1,12 +1,18 @@
 """Training and evaluation of LeNet-5 with a gradtools optimizer.
 
+Laid out as flax's ``examples/mnist``: :func:`train_epoch` makes one pass over
+the training digits, :func:`evaluate` measures the test accuracy, and
 :func:`train_and_evaluate` is the whole demo as a library call (the CLI in
-``__main__`` only parses a :class:`Config`); the optimizer comes from
-:func:`gradtools.demo.optim.make_optimizer`.
+``__main__`` only parses a :class:`~gradtools.demo.config.Config`). The
+optimizer comes from :func:`gradtools.demo.optim.make_optimizer`; the step is
+:func:`gradtools.train_step` under ``jax.jit``.
 
-Training is data-parallel over a one-axis ``jax.sharding.Mesh``: each batch is
-split over the devices and the parameters and optimizer state are replicated,
-so the jitted step is the one-device step and XLA adds the all-reduce.
+Training is data-parallel over a one-axis ``jax.sharding.Mesh`` of every
+device (of every process, when ``jax.distributed`` is initialised): each batch
+is split over the devices and the parameters and optimizer state are
+replicated, so the jitted step is the one-device step and XLA adds the
+all-reduce. Each process reads only its own rows of every batch; only process
+0 prints and plots, and the checkpoint is written from it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 from typing import cast
@@ -38,15 +45,27 @@ from gradtools.demo.config import resumed
 from gradtools.demo.config import validate
 from gradtools.demo.model import DTYPES
 from gradtools.demo.model import LeNet5
-from gradtools.demo.model import compiler_options
 from gradtools.demo.model import count_params
-from gradtools.demo.model import init_key
 from gradtools.demo.optim import make_optimizer
 
-__all__ = ["Result", "train_and_evaluate"]
+__all__ = ["Result", "TrainState", "evaluate", "train_and_evaluate", "train_epoch"]
 
 # The metrics of each step kept in the history (and so in checkpoints and the plot).
 _RECORDED = ("loss", "learning_rate", "loss_scale", "grad_norm", "skipped_steps")
+
+
+class TrainState(NamedTuple):
+    """What a training step advances.
+
+    Attributes:
+      step: micro-batches trained so far.
+      params: the parameters (replicated over the devices).
+      opt_state: the optimizer state (replicated).
+    """
+
+    step: int
+    params: Any
+    opt_state: Any
 
 
 class Result(NamedTuple):
@@ -72,11 +91,433 @@ class Result(NamedTuple):
     plot: str | None
 
 
+class _Programs(NamedTuple):
+    """The jitted functions of a run, and the shardings they use."""
+
+    replicated: NamedSharding  # params and optimizer state: a copy on every device
+    split: NamedSharding  # batches: split along their first axis
+    init: Any  # key -> {'params', 'opt_state'}
+    train_step: Any  # gradtools.train_step, params and state donated
+    count_correct: Any  # (params, images, labels) -> correct predictions
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(config: Config, total_updates: int) -> _Programs:
+    """The model, optimizer and jitted step of ``config`` (cached: runs in one process
+    share compilations)."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[: config.devices]), ("data",))
+    replicated = NamedSharding(mesh, P())
+    model = LeNet5(dtype=DTYPES[config.precision])
+    tx = make_optimizer(config, total_updates)
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 32, 32, 1), jnp.float32))
+        return {"params": params, "opt_state": tx.init(params)}
+
+    def loss_fn(params, images, labels):
+        logits = cast(jax.Array, model.apply(params, images))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def count_correct(params, images, labels):
+        logits = cast(jax.Array, model.apply(params, images))
+        return jnp.sum(jnp.argmax(logits, -1) == labels)
+
+    return _Programs(
+        replicated=replicated,
+        split=NamedSharding(mesh, P("data")),
+        init=jax.jit(init, out_shardings=replicated),
+        # Scales the loss, takes the gradients, runs the optimizer, applies the updates.
+        train_step=jax.jit(
+            gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1), out_shardings=replicated
+        ),
+        count_correct=jax.jit(count_correct),
+    )
+
+
+def _global_batch(
+    sharding: NamedSharding, indices: np.ndarray, read: Callable[[np.ndarray], np.ndarray]
+) -> jax.Array:
+    """The rows ``read(indices)``, split over ``sharding``'s devices as one global array.
+
+    Each process reads only the rows its own devices hold.
+    """
+    n = len(indices)
+    held = sharding.addressable_devices_indices_map((n,)).values()  # {device: (slice,)}
+    starts, stops = zip(*(cast(tuple, index)[0].indices(n)[:2] for index in held))
+    local = read(indices[min(starts) : max(stops)])
+    return jax.make_array_from_process_local_data(sharding, local, (n, *local.shape[1:]))
+
+
+def train_epoch(
+    programs: _Programs,
+    state: TrainState,
+    ds: data.Dataset,
+    config: Config,
+    epoch: int,
+    stop: int,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> tuple[TrainState, list[tuple[int, dict[str, jax.Array]]]]:
+    """Trains on the batches of ``epoch`` (0-based) from ``state.step`` up to step ``stop``.
+
+    The last batch of an epoch flushes a partial accumulation window. The
+    epoch stops early, between two steps, when ``stop_requested()`` is true
+    or on a ``KeyboardInterrupt``: the returned state's step then falls short
+    of ``stop`` (and its arrays are deleted if the interrupt came during a
+    step, which was handed them).
+
+    Args:
+      programs: the run's jitted step and shardings.
+      state: where training stands; its arrays are donated to the first step.
+      ds: the digits; each process reads its own rows of every batch.
+      config: the run's settings (batch size, accumulation, seed, progress bar).
+      epoch: which epoch's shuffled batches to train on.
+      stop: the (global) step to stop at.
+      stop_requested: asked before each step whether to stop early.
+
+    Returns:
+      The new state, and ``(step, metrics)`` of each step trained.
+    """
+    from tqdm import tqdm
+
+    per_epoch = len(ds.train_labels) // config.batch_size
+    batches = data.epoch_batches(len(ds.train_labels), config.batch_size, config.seed, epoch)
+    bar = tqdm(
+        total=per_epoch,
+        initial=state.step - epoch * per_epoch,
+        unit="batch",
+        desc=f"epoch {epoch + 1}/{config.epochs}",
+        leave=False,
+        dynamic_ncols=True,
+        disable=not config.progress or jax.process_index() != 0,
+    )
+
+    def read_images(indices):
+        return data.preprocess(ds.train_images[indices])
+
+    def read_labels(indices):
+        return ds.train_labels[indices]
+
+    recorded = []
+    try:
+        while state.step < stop and not stop_requested():
+            i = state.step - epoch * per_epoch
+            images = _global_batch(programs.split, batches[i], read_images)
+            labels = _global_batch(programs.split, batches[i], read_labels)
+            update_kwargs = None
+            if config.accum_steps > 1:  # the epoch's last batch flushes a partial window
+                update_kwargs = {"flush": np.asarray(i == per_epoch - 1)}
+            params, opt_state, metrics = programs.train_step(
+                state.params, state.opt_state, images, labels, update_kwargs=update_kwargs
+            )
+            state = TrainState(state.step + 1, params, opt_state)
+            recorded.append((state.step, metrics))
+            bar.update()
+            if not bar.disable and (i % 10 == 0 or state.step == stop):
+                bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
+    except KeyboardInterrupt:
+        pass  # the caller sees state.step < stop
+    finally:
+        bar.close()
+    return state, recorded
+
+
+def evaluate(programs: _Programs, params: Any, images: np.ndarray, labels: np.ndarray) -> float:
+    """The percentage of ``images`` that ``params`` label right.
+
+    Args:
+      programs: the run's jitted functions and shardings.
+      params: the model's parameters.
+      images: ``uint8`` digits ``(n, 28, 28)``, evaluated in chunks of about
+        1,000 split over the devices.
+      labels: their digits, ``(n,)``.
+
+    Returns:
+      The accuracy in percent.
+    """
+    n_devices = programs.split.mesh.size
+    chunk = n_devices * -(-1000 // n_devices)
+    pad = -len(labels) % chunk  # padded examples get label -1 and never count
+    images = np.concatenate([images, np.zeros((pad, 28, 28), np.uint8)])
+    padded = np.concatenate([labels, np.full(pad, -1, np.int32)])
+    correct = 0
+    for i in range(0, len(padded), chunk):
+        indices = np.arange(i, i + chunk)
+        x = _global_batch(programs.split, indices, lambda rows: data.preprocess(images[rows]))
+        y = _global_batch(programs.split, indices, lambda rows: padded[rows])
+        correct += int(programs.count_correct(params, x, y))
+    return 100.0 * correct / len(labels)
+
+
+def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> Result:
+    """Trains LeNet-5 as ``config`` says, evaluates it, and reports.
+
+    Prints a progress bar per epoch (unless ``config.progress`` is false), a
+    line per epoch and a summary; with ``config.checkpoint_dir`` it saves a
+    checkpoint after every epoch and when stopped (``max_steps``, Ctrl-C).
+    Ctrl-C stops the run after the step in flight, saves it, and raises
+    ``KeyboardInterrupt``; a second Ctrl-C stops at once.
+
+    Args:
+      config: the settings. With ``resume`` or ``eval_only`` the training
+        settings come from the newest checkpoint in ``checkpoint_dir``.
+      dataset: digits to use instead of loading them as ``config.data_dir``
+        says (tests pass a small set).
+
+    Returns:
+      A :class:`Result`; its ``test_accuracy`` is NaN when stopped early.
+
+    Raises:
+      ConfigError: for bad or conflicting settings, or a checkpoint directory
+        that does not fit the request.
+      DataError: for missing or damaged data files.
+    """
+    start = time.perf_counter()
+    ckpt = Checkpoints(config.checkpoint_dir) if config.checkpoint_dir else None
+    config, meta = _settings(config, ckpt)
+    devices = jax.devices()[: config.devices]
+    validate(config, len(devices))
+    ds = dataset if dataset is not None else data.load(config.data_dir)
+    per_epoch = _steps_per_epoch(config, ds, meta)
+    total_steps = config.epochs * per_epoch
+    updates = config.epochs * -(-per_epoch // config.accum_steps)  # last windows flushed
+    programs = _programs(_program_key(config), updates)
+    state, history = _initial_state(config, programs, ckpt, meta)
+
+    def evaluate_test(params: Any) -> float:
+        return evaluate(programs, params, ds.test_images, ds.test_labels)
+
+    if config.eval_only:
+        accuracy = evaluate_test(state.params)
+        path = ckpt.path(state.step)  # type: ignore[union-attr]
+        _log(
+            f"test accuracy {accuracy:.2f}% ({len(ds.test_labels):,} digits), "
+            f"checkpoint at step {state.step:,}: {path}"
+        )
+        plot = _plot(history, config.plot)
+        if plot:
+            _log(f"plot: {plot}")
+        return Result(state.params, state.opt_state, state.step, accuracy, history, path, plot)
+
+    _log(_describe(config, state.params, ds, devices))
+    stop = total_steps
+    if config.max_steps is not None:
+        stop = min(stop, max(config.max_steps, state.step))
+    written = None
+
+    def end_epoch() -> None:
+        """Evaluates and reports an epoch trained to its end, once."""
+        done = history["epoch"]["step"]
+        if state.step == 0 or state.step % per_epoch or (done and done[-1] == state.step):
+            return
+        accuracy = evaluate_test(state.params)
+        train_loss = float(np.mean(history["loss"][-per_epoch:]))
+        done.append(state.step)
+        history["epoch"]["train_loss"].append(train_loss)
+        history["epoch"]["test_accuracy"].append(accuracy)
+        last = {k: history[k][-1] for k in _RECORDED if k in history}
+        _log(
+            f"epoch {state.step // per_epoch:>{len(str(config.epochs))}}/{config.epochs}  "
+            f"{_status({**last, 'loss': train_loss})}  test acc {accuracy:.2f}%  "
+            f"[{time.perf_counter() - start:.0f} s]"
+        )
+
+    try:
+        with _CtrlC() as ctrl_c:
+            end_epoch()  # in case a run was stopped between an epoch and its report
+            while state.step < stop:
+                ctrl_c.check()
+                epoch = state.step // per_epoch
+                epoch_stop = min(stop, (epoch + 1) * per_epoch)
+                state, metrics = train_epoch(
+                    programs, state, ds, config, epoch, epoch_stop, lambda: ctrl_c.requested
+                )
+                if _alive(state):
+                    _record(history, metrics)
+                if state.step < epoch_stop:  # Ctrl-C
+                    raise KeyboardInterrupt
+                end_epoch()
+                written = _save(ckpt, state, config, per_epoch, history) or written
+    except KeyboardInterrupt:
+        written = _save(ckpt, state, config, per_epoch, history) if _alive(state) else None
+        _log(
+            f"interrupted at step {state.step:,}"
+            + (f"; checkpoint: {written}; continue with --resume" if written else "")
+        )
+        raise
+
+    stopped = state.step < total_steps
+    accuracy = float("nan") if stopped else history["epoch"]["test_accuracy"][-1]
+    plot = _plot(history, config.plot)
+    elapsed = time.perf_counter() - start
+    if stopped:
+        _log(f"stopped at step {state.step:,} of {total_steps:,} after {elapsed:.1f} s")
+    else:
+        _log(
+            f"test accuracy {accuracy:.2f}% ({len(ds.test_labels):,} digits) after "
+            f"{config.epochs} epoch{'s' * (config.epochs != 1)} ({state.step:,} steps) "
+            f"in {elapsed:.1f} s"
+        )
+    if written is None and ckpt is not None and ckpt.latest_step() == state.step:
+        written = ckpt.path(state.step)  # resumed a finished run: nothing new to save
+    _log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
+    if plot:
+        _log(f"plot: {plot}")
+    return Result(state.params, state.opt_state, state.step, accuracy, history, written, plot)
+
+
+# Setting up a run: its settings, and its first state (fresh or from a checkpoint).
+
+
+def _settings(config: Config, ckpt: Checkpoints | None) -> tuple[Config, dict[str, Any] | None]:
+    """The settings to run with, and the newest checkpoint's metadata when resuming."""
+    latest = ckpt.latest_step() if ckpt else None
+    if not (config.resume or config.eval_only):
+        if latest is not None:
+            raise ConfigError(
+                f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint (step "
+                f"{latest}): pass --resume to continue it, or choose another directory"
+            )
+        return config, None
+    if config.resume and config.eval_only:
+        raise ConfigError("--resume and --eval-only exclude each other")
+    if ckpt is None:
+        raise ConfigError(
+            f"{'--resume' if config.resume else '--eval-only'} needs --checkpoint-dir"
+        )
+    if latest is None:
+        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
+    meta = {**ckpt.restore_meta(latest), "step": latest}
+    config, ignored = resumed(config, meta["config"])
+    if ignored and config.resume:
+        _log(f"note: continuing with the checkpoint's settings, not {', '.join(ignored)}")
+    return config, meta
+
+
+def _steps_per_epoch(config: Config, ds: data.Dataset, meta: dict[str, Any] | None) -> int:
+    per_epoch = len(ds.train_labels) // config.batch_size
+    if per_epoch == 0:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is larger than the "
+            f"{len(ds.train_labels)} training digits"
+        )
+    if meta is not None and meta["steps_per_epoch"] != per_epoch:
+        raise ConfigError(
+            f"--checkpoint-dir {config.checkpoint_dir}: the checkpoint has "
+            f"{meta['steps_per_epoch']} steps per epoch, these {len(ds.train_labels):,} "
+            f"training digits give {per_epoch}: use the same data"
+        )
+    return per_epoch
+
+
+def _initial_state(
+    config: Config, programs: _Programs, ckpt: Checkpoints | None, meta: dict[str, Any] | None
+) -> tuple[TrainState, dict[str, Any]]:
+    """A freshly initialised state and an empty history, or the checkpoint's."""
+    key = jax.random.key(config.seed)
+    try:
+        template = jax.eval_shape(programs.init, key)
+    except ValueError as e:
+        if not config.freeze:
+            raise
+        raise ConfigError(f"--freeze: {e}") from None  # a pattern that matches nothing
+    if meta is None:
+        init = programs.init(key)
+        history = {"step": [], "epoch": {"step": [], "train_loss": [], "test_accuracy": []}}
+        return TrainState(0, init["params"], init["opt_state"]), history
+    template = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=programs.replicated), template
+    )
+    saved = ckpt.restore(meta["step"], template)  # type: ignore[union-attr]
+    return TrainState(int(meta["step"]), saved["params"], saved["opt_state"]), meta["history"]
+
+
+def _program_key(config: Config) -> Config:
+    """``config`` without the fields that do not change what is compiled."""
+    defaults = Config()
+    unused = ("seed", "data_dir", *(k for k in RUN_OPTIONS if k != "devices"))
+    return dataclasses.replace(config, **{k: getattr(defaults, k) for k in unused})
+
+
+# Recording, saving and reporting.
+
+
+def _alive(state: TrainState) -> bool:
+    """Whether the state's arrays are intact (not donated to a step that never returned)."""
+    return not any(x.is_deleted() for x in jax.tree.leaves((state.params, state.opt_state)))
+
+
+def _record(history: dict[str, Any], recorded: list[tuple[int, dict[str, jax.Array]]]) -> None:
+    """Appends the metrics of the steps trained to ``history`` (waiting for them)."""
+    steps, records = zip(*jax.device_get(recorded)) if recorded else ((), ())
+    history["step"].extend(steps)
+    for key in _RECORDED:
+        if records and key in records[0]:
+            history.setdefault(key, []).extend(float(r[key]) for r in records)
+
+
+def _save(
+    ckpt: Checkpoints | None,
+    state: TrainState,
+    config: Config,
+    per_epoch: int,
+    history: dict[str, Any],
+) -> str | None:
+    """Checkpoints the run at ``state.step`` (once), if it has a checkpoint directory."""
+    if ckpt is None:
+        return None
+    if ckpt.latest_step() == state.step:
+        return ckpt.path(state.step)  # saved already (Ctrl-C during a save)
+    meta = {"config": dataclasses.asdict(config), "steps_per_epoch": per_epoch, "history": history}
+    return ckpt.save(state.step, {"params": state.params, "opt_state": state.opt_state}, meta)
+
+
+def _plot(history: dict[str, Any], path: str | None) -> str | None:
+    """Plots ``history`` to ``path`` (on process 0) and returns the file written."""
+    if not path or jax.process_index() != 0:
+        return None
+    from gradtools.demo.plot import plot_history
+
+    return plot_history(history, path)
+
+
 def _log(message: str) -> None:
+    """Prints a line (on process 0), above any progress bar."""
     if jax.process_index() == 0:
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
+
+
+def _describe(config: Config, params: Any, ds: data.Dataset, devices: list[Any]) -> str:
+    """Two lines on the model, data, devices and optimizer."""
+    k, n, hosts = config.accum_steps, len(devices), jax.process_count()
+    batch = f"batch {config.batch_size}" + (
+        f" x {k} accumulated = {config.batch_size * k} per update" if k > 1 else ""
+    )
+    schedule = config.schedule + (
+        f" after {config.warmup_steps} warmup steps"
+        if config.warmup_steps and config.schedule != "warmup"
+        else ""
+    )
+    where = f"{n} {devices[0].platform} device{'s' * (n > 1)}"
+    where += f" in {hosts} processes" if hosts > 1 else ""
+    frozen = f"; frozen: {', '.join(config.freeze)}" if config.freeze else ""
+    return (
+        f"LeNet-5, {count_params(params):,} parameters, {config.precision}; "
+        f"{ds.source}: {len(ds.train_labels):,} train / {len(ds.test_labels):,} test digits\n"
+        f"{where}; {batch}; {config.optimizer} lr {config.learning_rate:g} ({schedule}); "
+        f"clip norm {config.clip_norm or 'off'}; loss scale {config.loss_scale}{frozen}"
+    )
+
+
+def _status(m: dict[str, Any]) -> str:
+    parts = [f"loss {float(m['loss']):.4f}"]
+    if "learning_rate" in m:
+        parts.append(f"lr {float(m['learning_rate']):.3g}")
+    if "loss_scale" in m:
+        parts.append(f"scale {float(m['loss_scale']):g}")
+        parts.append(f"skipped {int(m['skipped_steps'])}")
+    return "  ".join(parts)
 
 
 class _CtrlC:
@@ -116,362 +557,3 @@ class _CtrlC:
         """Raises ``KeyboardInterrupt`` if a stop was asked for."""
         if self.requested:
             raise KeyboardInterrupt
-
-
-def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> Result:
-    """Trains LeNet-5 as ``config`` says, evaluates it, and reports.
-
-    Prints a progress bar per epoch (unless ``config.progress`` is false), a
-    line per epoch and a summary; with ``config.checkpoint_dir`` it saves a
-    checkpoint after every epoch and when stopped (``max_steps``, Ctrl-C).
-
-    Args:
-      config: the settings. With ``resume`` or ``eval_only`` the training
-        settings come from the newest checkpoint in ``checkpoint_dir``.
-      dataset: digits to use instead of loading them as ``config.data_dir``
-        says (tests pass a small set).
-
-    Returns:
-      A :class:`Result`; its ``test_accuracy`` is NaN when stopped early.
-
-    Raises:
-      ConfigError: for bad or conflicting settings, or a checkpoint directory
-        that does not fit the request.
-      DataError: for missing or damaged data files.
-    """
-    start = time.perf_counter()
-    run = _Run(config, dataset)
-    config, ckpt = run.config, run.ckpt
-    if config.eval_only:
-        accuracy = run.evaluate()
-        path = ckpt.path(run.step)  # type: ignore[union-attr]
-        _log(
-            f"test accuracy {accuracy:.2f}% ({len(run.ds.test_labels):,} digits), "
-            f"checkpoint at step {run.step:,}: {path}"
-        )
-        plot = _plot(run.history, config.plot)
-        if plot:
-            _log(f"plot: {plot}")
-        return Result(run.params, run.opt_state, run.step, accuracy, run.history, path, plot)
-    _log(run.describe())
-    try:
-        run.train(start)
-    except KeyboardInterrupt:
-        written = None
-        if run.alive():
-            run.record()
-            written = run.save()
-        _log(
-            f"interrupted at step {run.step:,}"
-            + (f"; checkpoint: {written}; continue with --resume" if written else "")
-        )
-        raise
-    stopped = run.step < run.total_steps
-    accuracy = float("nan") if stopped else run.history["epoch"]["test_accuracy"][-1]
-    plot = _plot(run.history, config.plot)
-    elapsed = time.perf_counter() - start
-    if stopped:
-        _log(f"stopped at step {run.step:,} of {run.total_steps:,} after {elapsed:.1f} s")
-    else:
-        _log(
-            f"test accuracy {accuracy:.2f}% ({len(run.ds.test_labels):,} digits) after "
-            f"{config.epochs} epoch{'s' * (config.epochs != 1)} ({run.step:,} steps) "
-            f"in {elapsed:.1f} s"
-        )
-    written = run.written
-    if written is None and run.ckpt is not None and run.ckpt.latest_step() == run.step:
-        written = run.ckpt.path(run.step)  # resumed a finished run: nothing new to save
-    _log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
-    if plot:
-        _log(f"plot: {plot}")
-    return Result(run.params, run.opt_state, run.step, accuracy, run.history, written, plot)
-
-
-def _plot(history: dict[str, Any], path: str | None) -> str | None:
-    """Plots ``history`` to ``path`` (on the first host) and returns the file written."""
-    if not path or jax.process_index() != 0:
-        return None
-    from gradtools.demo.plot import plot_history
-
-    return plot_history(history, path)
-
-
-class _Programs(NamedTuple):
-    """The jitted functions of a run, and the shardings they use."""
-
-    replicated: NamedSharding
-    split: NamedSharding
-    init: Any  # key -> {'params', 'opt_state'}
-    train_step: Any  # gradtools.train_step, params and state donated
-    count_correct: Any  # (params, images, labels) -> correct predictions
-
-
-def _program_key(config: Config) -> Config:
-    """``config`` without the fields that do not change what is compiled."""
-    defaults = Config()
-    unused = ("seed", "data_dir", *(k for k in RUN_OPTIONS if k != "devices"))
-    return dataclasses.replace(config, **{k: getattr(defaults, k) for k in unused})
-
-
-@functools.lru_cache(maxsize=4)
-def _programs(config: Config, total_updates: int) -> _Programs:
-    """Builds (once per setting: runs in one process share compilations) the programs."""
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[: config.devices]), ("data",))
-    replicated = NamedSharding(mesh, P())
-    model = LeNet5(DTYPES[config.precision])
-    tx = make_optimizer(config, total_updates)
-
-    def init(key):
-        params = model.init(key, jnp.zeros((1, 32, 32, 1), jnp.float32))
-        return {"params": params, "opt_state": tx.init(params)}
-
-    def logits_fn(params, images) -> jax.Array:
-        return cast(jax.Array, model.apply(params, images))
-
-    def loss_fn(params, images, labels):
-        logits = logits_fn(params, images)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    def count_correct(params, images, labels):
-        return jnp.sum(jnp.argmax(logits_fn(params, images), -1) == labels)
-
-    return _Programs(
-        replicated=replicated,
-        split=NamedSharding(mesh, P("data")),
-        init=jax.jit(init, out_shardings=replicated),
-        train_step=jax.jit(
-            gradtools.train_step(loss_fn, tx),
-            donate_argnums=(0, 1),
-            out_shardings=replicated,
-            compiler_options=compiler_options(),
-        ),
-        count_correct=jax.jit(count_correct, compiler_options=compiler_options()),
-    )
-
-
-class _Run:
-    """The state of one run: set up from a config (and a checkpoint), trained in place."""
-
-    def __init__(self, config: Config, dataset: data.Dataset | None):
-        self.ckpt = Checkpoints(config.checkpoint_dir) if config.checkpoint_dir else None
-        latest = self.ckpt.latest_step() if self.ckpt else None
-        meta = None
-        if config.resume or config.eval_only:
-            if config.resume and config.eval_only:
-                raise ConfigError("--resume and --eval-only exclude each other")
-            if config.checkpoint_dir is None:
-                flag = "--resume" if config.resume else "--eval-only"
-                raise ConfigError(f"{flag} needs --checkpoint-dir")
-            if latest is None:
-                raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
-            meta = self.ckpt.restore_meta(latest)  # type: ignore[union-attr]
-            config, ignored = resumed(config, meta["config"])
-            if ignored and config.resume:
-                _log(f"note: continuing with the checkpoint's settings, not {', '.join(ignored)}")
-        elif latest is not None:
-            raise ConfigError(
-                f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint (step "
-                f"{latest}): pass --resume to continue it, or choose another directory"
-            )
-        self.config = config
-        self.devices = jax.devices()[: config.devices]
-        validate(config, len(self.devices))
-        self.ds = ds = dataset if dataset is not None else data.load(config.data_dir)
-        self.steps_per_epoch = len(ds.train_labels) // config.batch_size
-        if self.steps_per_epoch == 0:
-            raise ConfigError(
-                f"--batch-size {config.batch_size} is larger than the "
-                f"{len(ds.train_labels)} training digits"
-            )
-        if meta is not None and meta["steps_per_epoch"] != self.steps_per_epoch:
-            raise ConfigError(
-                f"--checkpoint-dir {config.checkpoint_dir}: the checkpoint has "
-                f"{meta['steps_per_epoch']} steps per epoch, these {len(ds.train_labels):,} "
-                f"training digits give {self.steps_per_epoch}: use the same data"
-            )
-        self.total_steps = config.epochs * self.steps_per_epoch
-        updates_per_epoch = -(-self.steps_per_epoch // config.accum_steps)  # last window flushed
-
-        programs = _programs(_program_key(config), config.epochs * updates_per_epoch)
-        self.replicated, self.split = programs.replicated, programs.split
-        self._train_step, self._count_correct = programs.train_step, programs.count_correct
-        key = init_key(config.seed)
-        try:
-            template = jax.eval_shape(programs.init, key)
-        except ValueError as e:
-            if not config.freeze:
-                raise
-            raise ConfigError(f"--freeze: {e}") from None  # a pattern that matches nothing
-        if meta is None:
-            state = programs.init(key)
-            self.step = 0
-            self.history: dict[str, Any] = {
-                "step": [],
-                "epoch": {"step": [], "train_loss": [], "test_accuracy": []},
-            }
-        else:
-            template = jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated),
-                template,
-            )
-            state = self.ckpt.restore(latest, template)  # type: ignore[union-attr]
-            self.step, self.history = int(latest), meta["history"]  # type: ignore[arg-type]
-        self.params, self.opt_state = state["params"], state["opt_state"]
-        self.written: str | None = None
-        self._pending: list[tuple[int, dict[str, jax.Array]]] = []  # steps not in history yet
-        self._ctrl_c = _CtrlC()
-
-    def put(self, x: np.ndarray) -> jax.Array:
-        """A host batch as a global array split over the devices (on every host)."""
-        return jax.make_array_from_callback(x.shape, self.split, lambda index: x[index])
-
-    def alive(self) -> bool:
-        """Whether params and state are intact (not donated to a step in flight)."""
-        return not any(x.is_deleted() for x in jax.tree.leaves((self.params, self.opt_state)))
-
-    def evaluate(self) -> float:
-        """Accuracy on the test digits, in percent."""
-        chunk = len(self.devices) * -(-1000 // len(self.devices))
-        images, labels = self.ds.test_images, self.ds.test_labels
-        pad = -len(labels) % chunk  # padded examples get label -1 and never count
-        images = np.concatenate([images, np.zeros((pad, 28, 28), np.uint8)])
-        labels = np.concatenate([labels, np.full(pad, -1, np.int32)])
-        correct = 0
-        for i in range(0, len(labels), chunk):
-            x, y = data.preprocess(images[i : i + chunk]), labels[i : i + chunk]
-            correct += int(self._count_correct(self.params, self.put(x), self.put(y)))
-        return 100.0 * correct / len(self.ds.test_labels)
-
-    def save(self) -> str | None:
-        """Checkpoints the run at its current step, if it has a checkpoint directory."""
-        if self.ckpt is not None and self.ckpt.latest_step() == self.step:
-            self.written = self.ckpt.path(self.step)  # saved already (Ctrl-C during a save)
-        elif self.ckpt is not None:
-            meta = {
-                "config": dataclasses.asdict(self.config),
-                "steps_per_epoch": self.steps_per_epoch,
-                "history": self.history,
-            }
-            state = {"params": self.params, "opt_state": self.opt_state}
-            self.written = self.ckpt.save(self.step, state, meta)
-        return self.written
-
-    def train(self, start: float) -> None:
-        """Trains to the end (or to ``max_steps``), one epoch at a time.
-
-        Ctrl-C stops it between steps (:class:`_CtrlC`) with a ``KeyboardInterrupt``.
-        """
-        stop = self.total_steps
-        if self.config.max_steps is not None:
-            stop = min(stop, max(self.config.max_steps, self.step))
-        with self._ctrl_c:
-            self._end_epoch(start)  # in case a run was stopped between an epoch and its report
-            while self.step < stop:
-                self._ctrl_c.check()
-                epoch = self.step // self.steps_per_epoch
-                self._epoch(epoch, min(stop, (epoch + 1) * self.steps_per_epoch))
-                self._end_epoch(start)
-                self.save()
-
-    def _end_epoch(self, start: float) -> None:
-        """Evaluates and reports at the end of an epoch, once."""
-        history = self.history
-        done = history["epoch"]["step"]
-        if self.step == 0 or self.step % self.steps_per_epoch or (done and done[-1] == self.step):
-            return
-        accuracy = self.evaluate()
-        train_loss = float(np.mean(history["loss"][-self.steps_per_epoch :]))
-        done.append(self.step)
-        history["epoch"]["train_loss"].append(train_loss)
-        history["epoch"]["test_accuracy"].append(accuracy)
-        last = {k: history[k][-1] for k in _RECORDED if k in history}
-        epochs = self.config.epochs
-        _log(
-            f"epoch {self.step // self.steps_per_epoch:>{len(str(epochs))}}/{epochs}  "
-            f"{_status({**last, 'loss': train_loss})}  test acc {accuracy:.2f}%  "
-            f"[{time.perf_counter() - start:.0f} s]"
-        )
-
-    def _epoch(self, epoch: int, stop: int) -> None:
-        """Trains the steps of ``epoch`` up to (global) step ``stop``."""
-        from tqdm import tqdm
-
-        config, per_epoch = self.config, self.steps_per_epoch
-        n = len(self.ds.train_labels)
-        batches = data.epoch_batches(n, config.batch_size, config.seed, epoch)
-        bar = tqdm(
-            total=per_epoch,
-            initial=self.step - epoch * per_epoch,
-            unit="batch",
-            desc=f"epoch {epoch + 1}/{config.epochs}",
-            leave=False,
-            dynamic_ncols=True,
-            disable=not config.progress or jax.process_index() != 0,
-        )
-        try:
-            while self.step < stop:
-                i = self.step - epoch * per_epoch
-                update_kwargs = None
-                if config.accum_steps > 1:  # the last batch flushes a partial window
-                    update_kwargs = {"flush": np.asarray(i == per_epoch - 1)}
-                images, labels = self.ds.train_images[batches[i]], self.ds.train_labels[batches[i]]
-                self.params, self.opt_state, metrics = self._train_step(
-                    self.params,
-                    self.opt_state,
-                    self.put(data.preprocess(images)),
-                    self.put(labels),
-                    update_kwargs=update_kwargs,
-                )
-                self.step += 1
-                self._pending.append((self.step, metrics))
-                self._ctrl_c.check()
-                bar.update()
-                if not bar.disable and (i % 10 == 0 or self.step == stop):
-                    bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
-        finally:
-            bar.close()
-        self.record()
-
-    def record(self) -> None:
-        """Moves the metrics of the steps trained since the last call into the history.
-
-        Waits for those steps to finish. Called after each epoch, and on Ctrl-C
-        before the checkpoint is saved.
-        """
-        steps, records = zip(*jax.device_get(self._pending)) if self._pending else ((), ())
-        self.history["step"].extend(steps)
-        for key in _RECORDED:
-            if records and key in records[0]:
-                self.history.setdefault(key, []).extend(float(r[key]) for r in records)
-        self._pending = []
-
-    def describe(self) -> str:
-        """Two lines on the model, data, devices and optimizer."""
-        config, k, n = self.config, self.config.accum_steps, len(self.devices)
-        batch = f"batch {config.batch_size}" + (
-            f" x {k} accumulated = {config.batch_size * k} per update" if k > 1 else ""
-        )
-        schedule = config.schedule + (
-            f" after {config.warmup_steps} warmup steps"
-            if config.warmup_steps and config.schedule != "warmup"
-            else ""
-        )
-        devices = f"{n} {self.devices[0].platform} device{'s' * (n > 1)}"
-        frozen = f"; frozen: {', '.join(config.freeze)}" if config.freeze else ""
-        return (
-            f"LeNet-5, {count_params(self.params):,} parameters, {config.precision}; "
-            f"{self.ds.source}: {len(self.ds.train_labels):,} train / "
-            f"{len(self.ds.test_labels):,} test digits\n"
-            f"{devices}; {batch}; {config.optimizer} lr {config.learning_rate:g} ({schedule}); "
-            f"clip norm {config.clip_norm or 'off'}; loss scale {config.loss_scale}{frozen}"
-        )
-
-
-def _status(m: dict[str, Any]) -> str:
-    parts = [f"loss {float(m['loss']):.4f}"]
-    if "learning_rate" in m:
-        parts.append(f"lr {float(m['learning_rate']):.3g}")
-    if "loss_scale" in m:
-        parts.append(f"scale {float(m['loss_scale']):g}")
-        parts.append(f"skipped {int(m['skipped_steps'])}")
-    return "  ".join(parts)
