@@ -42,6 +42,8 @@ class Config:
     sections: tuple[str, ...] = SECTIONS
     sizes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20)
     leaves: tuple[int, ...] = (8, 1000)
+    #: configs timed besides sizes x leaves: a real model's tree (a transformer's has ~150).
+    extra_configs: tuple[tuple[int, int, tuple[str, ...] | None], ...] = ((16 << 20, 150, None),)
     #: (params, leaves, groups or None) for the update section; None: sizes x leaves.
     configs: tuple[tuple[int, int, tuple[str, ...] | None], ...] | None = None
     groups: tuple[str, ...] | None = None
@@ -75,6 +77,7 @@ QUICK = Config(
     memory_leaves=4,
     lenet_batch=8,
     lenet_reps=2,
+    extra_configs=(),
     quick=True,
 )
 
@@ -148,7 +151,7 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
 
         configs = config.configs or tuple(
             (n, leaves, None) for n in config.sizes for leaves in config.leaves
-        )
+        ) + config.extra_configs
         results["update"], notes = run_update(
             configs,
             config.reps,
@@ -341,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["sizes"] = _counts(args.sizes)
     if args.leaves:
         changes["leaves"] = _counts(args.leaves)
+    if args.sizes or args.leaves:
+        changes["extra_configs"] = ()  # exactly the sizes x leaves asked for
     if args.groups:
         changes["groups"] = tuple(g.strip() for g in args.groups.split(","))
     if args.configs:

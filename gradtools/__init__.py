@@ -23,6 +23,7 @@ from gradtools.loss_scale import fixed_loss_scale
 from gradtools.loss_scale import loss_scale
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
+from gradtools.metrics import nonfinite_leaves
 from gradtools.naming import decay_mask
 from gradtools.naming import label_params
 from gradtools.naming import path_names
@@ -54,6 +55,7 @@ __all__ = [
     "label_params",
     "loss_scale",
     "metrics",
+    "nonfinite_leaves",
     "param_groups",
     "path_names",
     "scale_loss",

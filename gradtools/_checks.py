@@ -41,6 +41,7 @@ __all__ = [
     "one_of",
     "positive_int",
     "real_leaves",
+    "state_of",
     "regex",
     "scale_bound",
     "static",
@@ -233,19 +234,36 @@ def floating(caller: str, name: str, value: Any) -> None:
         raise TypeError(f"{caller}: {name}={value!r} must be a floating-point number or array")
 
 
-def real_leaves(caller: str, name: str, tree: Any) -> None:
-    """Raises a ``TypeError`` naming the first complex leaf of ``tree``.
+def real_leaves(caller: str, name: str, tree: Any, *, floating: bool = False) -> None:
+    """Raises a ``TypeError`` naming the first leaf of ``tree`` that is not a real number.
 
     gradtools computes in real float32 (unscaling, norms, accumulation
-    buffers): a complex gradient would silently lose its imaginary part.
+    buffers): a complex gradient would silently lose its imaginary part, and
+    with ``floating`` an integer one would be truncated.
     """
+    numeric_leaves(caller, name, tree)
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        where = f"{caller}: {name}{jax.tree_util.keystr(path)}"
         if jnp.iscomplexobj(x):
             raise TypeError(
-                f"{caller}: {name}{jax.tree_util.keystr(path)} is complex "
-                f"({jnp.result_type(x)}); gradtools takes real gradients: keep a complex "
-                "parameter as its real and imaginary parts"
+                f"{where} is complex ({jnp.result_type(x)}); gradtools takes real gradients: "
+                "keep a complex parameter as its real and imaginary parts"
             )
+        if floating and not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise TypeError(
+                f"{where} is {jnp.result_type(x)}; it must be floating-point (integer "
+                "gradients would be truncated when scaled)"
+            )
+
+
+def state_of(caller: str, state: Any, cls: type) -> None:
+    """Raises a ``TypeError`` unless ``state`` is a ``cls``, saying where a state comes from."""
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{caller}: the state is a {type(state).__name__}, not a {cls.__name__}: pass the "
+            f"state this transformation's init returned (restore a checkpoint with that state "
+            f"as the target, e.g. orbax's args.StandardRestore(tx.init(params)))"
+        )
 
 
 def numeric_leaves(caller: str, name: str, tree: Any) -> list[Any]:
@@ -286,6 +304,11 @@ def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> 
     """
     if params is None:
         return
+    if type(params).__name__ == "LookaheadParams":
+        raise ValueError(
+            f"{caller}: params is an optax LookaheadParams: put optax.lookahead outside, "
+            f"e.g. optax.lookahead(gradtools.{caller}(fast_optimizer), sync_period, alpha)"
+        )
     u_def, p_def = jax.tree.structure(updates), jax.tree.structure(params)
     if u_def != p_def:
         u_paths = [

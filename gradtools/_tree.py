@@ -7,27 +7,43 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["match_types", "scale_f32", "zeros_like"]
+from gradtools import _checks
+
+__all__ = ["match_types", "scale_f32", "split_divisor", "zeros_like"]
 
 
-def scale_f32(tree: Any, factor: jax.Array) -> Any:
-    """Multiplies every leaf by a scalar in float32 (float64 leaves in float64), then casts back.
+def scale_f32(tree: Any, *factors: jax.Array) -> Any:
+    """Multiplies every leaf by scalar factors in float32 (float64 in float64), then casts back.
 
     Args:
-      tree: a pytree of arrays (``None`` leaves are kept as ``None``).
-      factor: a scalar; a float32 value.
+      tree: a pytree of arrays or numbers (``None`` leaves are kept as ``None``).
+      *factors: float32 scalars, applied one after the other before the cast.
 
     Returns:
-      The scaled pytree, each leaf in its own dtype. A factor of 1 returns
+      The scaled pytree, each leaf in its own dtype. Factors of 1 return
       every leaf bit for bit (subnormals aside: XLA:CPU flushes them to zero).
     """
-    factor = jnp.asarray(factor, jnp.float32)
+    factors = tuple(jnp.asarray(f, jnp.float32) for f in factors)
 
-    def one(g: jax.Array) -> jax.Array:
+    def one(g: Any) -> jax.Array:
+        g = jnp.asarray(g)  # a Python float leaf
         wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
-        return (g.astype(wide) * factor.astype(wide)).astype(g.dtype)
+        x = g.astype(wide)
+        for f in factors:
+            x = x * f.astype(wide)
+        return x.astype(g.dtype)
 
     return jax.tree.map(one, tree)
+
+
+def split_divisor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s, d * s)``: ``x / d == (x * s) / (d * s)``, where ``1 / (d * s)`` is a normal float32.
+
+    XLA:CPU divides by multiplying with the reciprocal, which for ``d`` above
+    2**126 is subnormal and flushed to zero; ``s`` is 2**-64 there, else 1.
+    """
+    s = jnp.where(d > 2.0**100, jnp.float32(2.0**-64), jnp.float32(1.0))
+    return s, d * s
 
 
 def zeros_like(tree: Any) -> Any:
@@ -40,9 +56,9 @@ def zeros_like(tree: Any) -> Any:
     """
 
     def zeros(x: Any) -> jax.Array:
-        traced = isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array)
+        traced = _checks.traced(x) or not isinstance(x, jax.Array)
         t = jax.typeof(x) if isinstance(x, jax.Array) else x
-        out = jnp.zeros(t.shape, t.dtype) if traced else jnp.zeros_like(x)
+        out = jnp.zeros_like(x) if isinstance(x, jax.Array) else jnp.zeros(t.shape, t.dtype)
         sharding = getattr(t, "sharding", None)
         if traced and any(getattr(sharding, "spec", ())):
             out = jax.sharding.reshard(out, sharding)
@@ -62,6 +78,7 @@ def match_types(tree: Any, types: Any) -> Any:
     """
 
     def one(x: Any, like: Any) -> Any:
+        x = jnp.asarray(x)  # an optax state may hold a Python number
         if jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
             x = x.astype(like.dtype)
         missing = tuple(_varying(like) - _varying(jax.typeof(x)))

@@ -196,11 +196,12 @@ def accumulate(
         )
 
     def step(grads, state, params, extra_args, fused):
+        _checks.state_of("accumulate", state, AccumulateState)
         extra_args = dict(extra_args)  # weight and flush are accumulate's, the rest inner's
         w = _micro_weight(extra_args.pop("weight", 1.0))
         flush = _flush_flag(extra_args.pop("flush", False))
-        _checks.check_like("accumulate", grads, params)
         _checks.real_leaves("accumulate", "updates", grads)
+        _checks.check_like("accumulate", grads, params)
         if every_k > 1:
             _checks.check_like("accumulate", grads, state.acc_grads, "acc_grads (from init)")
         finite = all_finite(grads) if skip_nonfinite else jnp.array(True)

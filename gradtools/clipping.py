@@ -83,7 +83,8 @@ def _scaled_norm(leaves: list[jax.Array], p: Any) -> jax.Array:
     mags = _magnitudes(leaves)
     big = _fixed_norm(leaves, math.inf)
     unit = jnp.where(jnp.isfinite(big) & (big > 0), big, jnp.ones([], jnp.float32))
-    total = _tuning.reduce_scalars([jnp.sum((m / unit) ** p) for m in mags], jnp.sum)
+    s, divisor = _tree.split_divisor(unit)
+    total = _tuning.reduce_scalars([jnp.sum((m * s / divisor) ** p) for m in mags], jnp.sum)
     return unit * total ** (1.0 / p)
 
 
@@ -135,7 +136,6 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
       >>> gradtools.global_norm({'a': jnp.array([3.0, -4.0])}, norm_type=1)
       Array(7., dtype=float32)
     """
-    _checks.numeric_leaves("global_norm", "tree", tree)
     _checks.real_leaves("global_norm", "tree", tree)
     return _global_norm(tree, _norm_type(norm_type))
 
@@ -208,13 +208,15 @@ def clip_by_global_norm(
 
     def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
         del state, params, extra_args
-        _checks.real_leaves("clip_by_global_norm", "updates", updates)
+        _checks.real_leaves("clip_by_global_norm", "updates", updates, floating=True)
         if isinstance(p, float) and p == 2 and square_sums is not None:  # summed by a loss scaler
             norm = jnp.sqrt(_tuning.reduce_scalars(_known(updates, *square_sums), jnp.sum))
         else:
             norm = _global_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)
-        factor = jnp.where(norm > limit, limit / norm, jnp.ones([], jnp.float32))
-        return _tree.scale_f32(updates, factor), ClipByGlobalNormState(grad_norm=norm)
+        s, divisor = _tree.split_divisor(norm)  # max_norm / norm may be subnormal
+        one = jnp.ones([], jnp.float32)
+        factors = jnp.where(norm > limit, s, one), jnp.where(norm > limit, limit / divisor, one)
+        return _tree.scale_f32(updates, *factors), ClipByGlobalNormState(grad_norm=norm)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -243,6 +243,7 @@ def param_groups(
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
+        _checks.state_of("param_groups", state, ParamGroupsState)
         _checks.check_like("param_groups", updates, params)
         index = index_of(updates)
         out, states = _update_groups(
@@ -323,6 +324,7 @@ def freeze(
         return FreezeState(_init_groups(txs, params, index_of(params))[0])
 
     def step(updates, state, params, extra_args, fused):
+        _checks.state_of("freeze", state, FreezeState)
         _checks.check_like("freeze", updates, params)
         states = (state.inner_state, optax.EmptyState())
         index = index_of(updates)

@@ -22,6 +22,7 @@ that computes them, so XLA stores no parameter-sized buffer for them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
@@ -34,6 +35,7 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _tree
 from gradtools import _tuning
 
 __all__ = [
@@ -55,6 +57,10 @@ class LossScaleState(NamedTuple):
       skipped_steps: how many steps had non-finite gradients (all of them
         skipped, unless ``fixed_loss_scale(skip_nonfinite=False)``).
       finite: whether the gradients of the last update were all finite.
+      nonfinite_updates: steps skipped because, with half-precision params or
+        optimizer state, the step would have written an inf or NaN there.
+      nonfinite_leaves: one flag per leaf of the params, in tree order: whether
+        its gradients held an inf or NaN in the last step skipped for that.
       inner_state: the state of the wrapped transformation.
     """
 
@@ -62,6 +68,8 @@ class LossScaleState(NamedTuple):
     good_steps: jax.Array  # shape=(), dtype=int32
     skipped_steps: jax.Array  # shape=(), dtype=int32
     finite: jax.Array  # shape=(), dtype=bool
+    nonfinite_updates: jax.Array  # shape=(), dtype=int32
+    nonfinite_leaves: jax.Array  # shape=(leaves,), dtype=bool
     inner_state: optax.OptState
 
 
@@ -103,6 +111,7 @@ def _unscale(grads: Any, inv_scale: jax.Array, params: Any) -> Any:
 
 
 _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+_HALF = (jnp.float16, jnp.bfloat16)
 
 
 def _loss_scaler(
@@ -124,45 +133,67 @@ def _loss_scaler(
             good_steps=jnp.zeros([], jnp.int32),
             skipped_steps=jnp.zeros([], jnp.int32),
             finite=jnp.ones([], jnp.bool_),
+            nonfinite_updates=jnp.zeros([], jnp.int32),
+            nonfinite_leaves=jnp.zeros([len(jax.tree.leaves(params))], jnp.bool_),
             inner_state=inner.init(params),
         )
 
     def step(grads, state, params, extra_args, fused):
-        _checks.check_like(caller, grads, params)
+        _checks.state_of(caller, state, LossScaleState)
         _checks.real_leaves(caller, "updates", grads)
+        _checks.check_like(caller, grads, params)
         inv_scale = 1.0 / state.loss_scale
         # One read of the gradients gives both: a leaf's sum is NaN iff it is not finite.
         sums = [
             _tuning.checked_square_sum(x)
             for x in jax.tree.leaves(_unscale(grads, inv_scale, params))
         ]
+        bad = jnp.isnan(jnp.stack(sums)) if sums else jnp.zeros([0], jnp.bool_)
         finite = ~jnp.isnan(_tuning.reduce_scalars(sums, jnp.sum)) if sums else jnp.array(True)
-        if axis_name is not None:
+        if axis_name is not None:  # every device takes the same branch
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+            bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        # With half-precision params or state, a finite step may still write inf or NaN.
+        half = [x for x in jax.tree.leaves(state.inner_state) if jnp.result_type(x) in _HALF]
+        check_writes = skip_nonfinite and (
+            half or any(jnp.result_type(p) in _HALF for p in jax.tree.leaves(params))
+        )
 
         def run(grads):  # unscaled again here, so that XLA need not store the unscaled copy
             unscaled = _unscale(grads, inv_scale, params)
             extra = extra_args
             if skip_nonfinite:  # finite here: a clip_by_global_norm right inside reuses the sums
                 extra = {"square_sums": (jax.tree.leaves(unscaled), sums), **extra_args}
-            return _apply.step(inner, unscaled, state.inner_state, params, extra, fused)
+            out, new_inner = _apply.step(inner, unscaled, state.inner_state, params, extra, fused)
+            if not check_writes:
+                return out, (new_inner, jnp.array(True))
+            new_params = out if fused else optax.apply_updates(params, out)
+            new_half = [x for x in jax.tree.leaves(new_inner) if jnp.result_type(x) in _HALF]
+            ok = all_finite((new_params, new_half))  # float32 state may hold an inf grad_norm
+            old = (params if fused else _tree.zeros_like(out), state.inner_state)
+            out, new_inner = jax.tree.map(functools.partial(jnp.where, ok), (out, new_inner), old)
+            return out, (new_inner, ok)
 
         if skip_nonfinite:
-            out, inner_state = _apply.step_or_skip(
-                finite, run, grads, fused, params, state.inner_state
+            out, (inner_state, writes_ok) = _apply.step_or_skip(
+                finite, run, grads, fused, params, (state.inner_state, jnp.array(True))
             )
         else:
-            out, inner_state = run(grads)
+            out, (inner_state, writes_ok) = run(grads)
         scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
-        skipped = jnp.where(finite, state.skipped_steps, optax.safe_increment(state.skipped_steps))
-        new_state = LossScaleState(
+        return out, LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             good_steps=good_steps.astype(jnp.int32),
-            skipped_steps=skipped,
+            skipped_steps=jnp.where(
+                finite & writes_ok, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+            ),
             finite=finite,
+            nonfinite_updates=jnp.where(
+                writes_ok, state.nonfinite_updates, optax.safe_increment(state.nonfinite_updates)
+            ),
+            nonfinite_leaves=jnp.where(finite, state.nonfinite_leaves, bad),
             inner_state=inner_state,
         )
-        return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
 
@@ -221,7 +252,8 @@ def dynamic_loss_scale(
       TypeError: if ``inner`` is not a GradientTransformation or
         ``axis_name`` is not hashable.
       ValueError: if ``init_scale``, ``min_scale`` or ``max_scale`` is not
-        finite and positive, ``growth_factor <= 1``, ``backoff_factor`` is
+        between 2**-126 and 2**126 (where it and its float32 reciprocal are
+        normal numbers), ``growth_factor <= 1``, ``backoff_factor`` is
         outside (0, 1), ``growth_interval`` is not an int >= 1,
         ``min_scale > init_scale`` or ``max_scale < init_scale``.
 
@@ -241,10 +273,10 @@ def dynamic_loss_scale(
       with ``TrainOneStepWithLossScaleCell``.
     """
     _checks.is_transform("inner", inner)
-    _checks.finite_positive("init_scale", init_scale)
+    _checks.scale_bound("init_scale", init_scale)
     _checks.greater_than_one("growth_factor", growth_factor)
-    _checks.finite_positive("min_scale", min_scale)
-    _checks.finite_positive("max_scale", max_scale)
+    _checks.scale_bound("min_scale", min_scale)
+    _checks.scale_bound("max_scale", max_scale)
     _checks.in_open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
     _checks.positive_int("growth_interval", growth_interval)
     _checks.hashable("axis_name", axis_name)
@@ -301,7 +333,7 @@ def fixed_loss_scale(
     Raises:
       TypeError: if ``inner`` is not a GradientTransformation or
         ``axis_name`` is not hashable.
-      ValueError: if ``scale`` is not finite and positive, or
+      ValueError: if ``scale`` is not between 2**-126 and 2**126, or
         ``skip_nonfinite`` is not a bool.
 
     Example:
@@ -317,7 +349,7 @@ def fixed_loss_scale(
       ``torch.amp.GradScaler`` backs off on every overflow.
     """
     _checks.is_transform("inner", inner)
-    _checks.finite_positive("scale", scale)
+    _checks.scale_bound("scale", scale)
     _checks.is_bool("skip_nonfinite", skip_nonfinite)
     _checks.hashable("axis_name", axis_name)
 

@@ -10,11 +10,16 @@ values as a flat dict, ready to log or to return from a jitted step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-__all__ = ["metrics"]
+from gradtools.naming import path_names
+
+__all__ = ["metrics", "nonfinite_leaves"]
 
 # (metric key, state class name, field): the first state of that class found in
 # the tree supplies the metric.
@@ -22,6 +27,7 @@ _SOURCES = (
     ("loss_scale", "LossScaleState", "loss_scale"),
     ("skipped_steps", "LossScaleState", "skipped_steps"),
     ("finite", "LossScaleState", "finite"),
+    ("nonfinite_updates", "LossScaleState", "nonfinite_updates"),
     ("grad_norm", "ClipByGlobalNormState", "grad_norm"),
     ("micro_step", "AccumulateState", "micro_step"),
     ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
@@ -36,18 +42,25 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
     Keys are present only when the matching transform is:
 
-    =================== =================================================== =======
-    key                 from                                                dtype
-    =================== =================================================== =======
-    loss_scale          ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
-    skipped_steps       the same: non-finite steps so far                   int32
-    finite              the same: whether the last step was finite          bool
-    grad_norm           ``clip_by_global_norm``: the norm before clipping   float32
-    micro_step          ``accumulate``: micro-batches in the open window    int32
-    dropped_micro_steps ``accumulate``: non-finite micro-batches dropped    int32
-                        (``on_nonfinite='skip_microstep'``)
-    learning_rate       ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
-    =================== =================================================== =======
+    ==================== ==================================================== =======
+    key                  from                                                 dtype
+    ==================== ==================================================== =======
+    loss_scale           ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
+    skipped_steps        the same: steps not applied so far                   int32
+    finite               the same: whether the last step's gradients were     bool
+                         finite
+    nonfinite_updates    the same: steps not applied because they would have  int32
+                         written inf or NaN into half-precision params or
+                         state
+    nonfinite_leaf_count the same: leaves whose gradients overflowed in the   int32
+                         last skipped step
+                         (:func:`gradtools.nonfinite_leaves` names them)
+    grad_norm            ``clip_by_global_norm``: the norm before clipping    float32
+    micro_step           ``accumulate``: micro-batches in the open window     int32
+    dropped_micro_steps  ``accumulate``: non-finite micro-batches dropped     int32
+                         (``on_nonfinite='skip_microstep'``)
+    learning_rate        ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
+    ==================== ==================================================== =======
 
     When a transform occurs more than once, the first state found in tree
     order is reported.
@@ -64,8 +77,8 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       >>> import jax.numpy as jnp, optax
       >>> tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))
       >>> m = gradtools.metrics(tx.init({'w': jnp.zeros(2)}))
-      >>> sorted(m), float(m['loss_scale'])
-      (['finite', 'loss_scale', 'skipped_steps'], 32768.0)
+      >>> float(m['loss_scale']), int(m['skipped_steps'])
+      (32768.0, 0)
     """
     # jnp.asarray: a flax.nnx.Optimizer keeps each state leaf in a Variable.
     out: dict[str, jax.Array] = {}
@@ -73,9 +86,58 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
         found = optax.tree.get_all_with_path(opt_state, cls)
         if found:
             out[key] = jnp.asarray(getattr(found[0][1], field))
+    found = optax.tree.get_all_with_path(opt_state, "LossScaleState")
+    if found:
+        flags = jnp.asarray(found[0][1].nonfinite_leaves)
+        out["nonfinite_leaf_count"] = jnp.sum(flags, dtype=jnp.int32)
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:
         # optax keeps it in the params' dtype (or as given: an int): report float32
         out["learning_rate"] = jnp.asarray(rates[0]).astype(jnp.float32)
     return out
+
+
+def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
+    """The parameters whose gradients overflowed in the last step the loss scaler skipped.
+
+    The outermost loss scaler in ``opt_state`` keeps one flag per leaf of the
+    params (agreed across devices with ``axis_name``: a leaf is listed if it
+    overflowed on any), set when a step is skipped for non-finite gradients.
+
+    Args:
+      opt_state: the state of a transformation that contains a loss scaler.
+      params: the params the scaler was given (the tree ``init`` saw).
+
+    Returns:
+      The path names (as :func:`gradtools.path_names` spells them) of those
+      leaves, in tree order; ``[]`` if no step was skipped.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no loss-scale state, or ``params``
+        has another number of leaves than the scaler's params.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))
+      >>> params = {'a': jnp.zeros(2), 'b': jnp.zeros(2)}
+      >>> _, state = tx.update({'a': jnp.ones(2), 'b': jnp.array([1.0, jnp.inf])},
+      ...                      tx.init(params), params)
+      >>> gradtools.nonfinite_leaves(state, params)
+      ['b']
+    """
+    found = optax.tree.get_all_with_path(opt_state, "LossScaleState")
+    if not found:
+        raise ValueError(
+            "nonfinite_leaves: opt_state holds no LossScaleState. Wrap the optimizer, e.g. "
+            "gradtools.dynamic_loss_scale(optax.adam(1e-3))"
+        )
+    _, outermost = min(found, key=lambda pair: len(pair[0]))
+    flags = np.asarray(outermost.nonfinite_leaves)
+    names = jax.tree.leaves(path_names(params))
+    if len(names) != flags.size:
+        raise ValueError(
+            f"nonfinite_leaves: params has {len(names)} leaves, the loss scaler's params had "
+            f"{flags.size}: pass the params the scaler was given"
+        )
+    return [n for n, bad in zip(names, flags) if bad]

@@ -205,6 +205,14 @@ BAD = {
         (V, "opt_state holds no LossScaleState", lambda: G.scale_loss(0.5, SGD_STATE)),
     ],
     "loss_scale": [(V, "opt_state holds no LossScaleState", lambda: G.loss_scale(None))],
+    "nonfinite_leaves": [
+        (V, "opt_state holds no LossScaleState", lambda: G.nonfinite_leaves(None, PARAMS)),
+        (
+            V,
+            "params has 1 leaves, the loss scaler's params had",
+            lambda: G.nonfinite_leaves(G.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS), [0.0]),
+        ),
+    ],
     "all_finite": [
         (T, r"tree\['a'\]='x'", lambda: G.all_finite({"a": "x"})),
         (T, r"tree\[1\]=<object", lambda: G.all_finite([1.0, object()])),

@@ -716,3 +716,25 @@ def test_four_devices_match_one(cli_run, uninterrupted, small):
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), four.params, one
     )
+
+
+def test_verbose_names_the_parameters_whose_gradients_overflowed(capsys):
+    """--verbose: a skipped step prints the leaves given an inf, as path_names spells them."""
+    from gradtools.demo.train import _report_skip
+
+    params = LeNet5().init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))["params"]
+    tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    grads["conv2"]["bias"] = grads["conv2"]["bias"].at[0].set(jnp.inf)
+    grads["fc3"]["kernel"] = grads["fc3"]["kernel"].at[1, 1].set(jnp.nan)
+    state = tx.init(params)
+    before = gradtools.metrics(state)
+    _, state = tx.update(grads, state, params)
+    _report_skip([(0, before)], gradtools.metrics(state), 7, state, params)
+    assert (
+        capsys.readouterr().out
+        == "step 7: skipped, non-finite gradients in conv2/bias, fc3/kernel\n"
+    )
+    _report_skip([(7, gradtools.metrics(state))], gradtools.metrics(state), 8, state, params)
+    assert capsys.readouterr().out == ""  # no new skip, nothing printed
+    assert "--verbose" in parser().format_help()

@@ -68,7 +68,14 @@ def test_steps_match_numpy_sgd(scaler):
     if scaler is None:
         assert set(m) == {"loss"}
     else:
-        assert set(m) == {"loss", "loss_scale", "skipped_steps", "finite"}
+        assert set(m) == {
+            "loss",
+            "loss_scale",
+            "skipped_steps",
+            "finite",
+            "nonfinite_updates",
+            "nonfinite_leaf_count",
+        }
         assert float(m["loss_scale"]) == (2.0**10 if scaler == "fixed" else 2.0**15)
 
 

@@ -149,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--plot", metavar="PATH", help="write loss, accuracy, lr, loss scale, grad norm to a PNG")
     a("--no-progress", action="store_true", help="no progress bars, only a line per epoch")
+    a(
+        "--verbose",
+        action="store_true",
+        help="print each skipped step and the parameters whose gradients overflowed",
+    )
     hosts = p.add_argument_group(
         "several hosts (jax.distributed)",
         "Every process runs this command on the same data and trains on its own share\n"
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_only=args.eval_only,
         plot=args.plot,
         progress=not args.no_progress,
+        verbose=args.verbose,
     )
     try:
         train_and_evaluate(config)

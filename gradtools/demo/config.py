@@ -37,7 +37,16 @@ SCHEDULES = (
 LOSS_SCALES = ("none", "fixed", "dynamic")
 _DEFAULT_LR = {"momentum": 0.01, "adam": 1e-3, "adamw": 1e-3}
 # Options a resumed run takes from the command line; the rest from the checkpoint.
-RUN_OPTIONS = ("checkpoint_dir", "resume", "eval_only", "plot", "progress", "devices", "max_steps")
+RUN_OPTIONS = (
+    "checkpoint_dir",
+    "resume",
+    "eval_only",
+    "plot",
+    "progress",
+    "verbose",
+    "devices",
+    "max_steps",
+)
 
 
 class ConfigError(ValueError):
@@ -71,6 +80,7 @@ class Config:
     eval_only: bool = False
     plot: str | None = None
     progress: bool = True
+    verbose: bool = False
     devices: int | None = None
     max_steps: int | None = None
 

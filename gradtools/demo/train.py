@@ -209,6 +209,8 @@ def train_epoch(
             params, opt_state, metrics = programs.train_step(
                 state.params, state.opt_state, images, labels, update_kwargs=update_kwargs
             )
+            if config.verbose:
+                _report_skip(recorded, metrics, state.step + 1, opt_state, params)
             state = TrainState(state.step + 1, params, opt_state)
             recorded.append((state.step, metrics))
             bar.update()
@@ -478,6 +480,18 @@ def _plot(history: dict[str, Any], path: str | None) -> str | None:
     from gradtools.demo.plot import plot_history
 
     return plot_history(history, path)
+
+
+def _report_skip(recorded: list[Any], metrics: Any, step: int, opt_state: Any, params: Any):
+    """Prints the step and the overflowing parameters if this step was skipped."""
+    skipped = int(metrics.get("skipped_steps", 0))
+    before = int(recorded[-1][1]["skipped_steps"]) if recorded else skipped - (skipped > 0)
+    if skipped > before:
+        try:
+            names = ", ".join(gradtools.nonfinite_leaves(opt_state, params)) or "none"
+        except ValueError:  # the scaler sits inside freeze: it saw the trainable params only
+            names = f"{int(metrics['nonfinite_leaf_count'])} parameters"
+        _log(f"step {step}: skipped, non-finite gradients in {names}")
 
 
 def _log(message: str) -> None:
