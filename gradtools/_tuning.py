@@ -21,6 +21,7 @@ __all__ = [
     "distinct_scalars",
     "leaf_finite",
     "reduce_scalars",
+    "stack_scalars",
 ]
 
 _FAN_IN = 32  # scalars combined by one fusion in reduce_scalars
@@ -56,6 +57,14 @@ def reduce_scalars(scalars: list[jax.Array], reduce: Callable[[jax.Array], jax.A
         groups = [scalars[i : i + _FAN_IN] for i in range(0, len(scalars), _FAN_IN)]
         scalars = list(jax.lax.optimization_barrier([reduce(jnp.stack(g)) for g in groups]))
     return reduce(jnp.stack(scalars))
+
+
+def stack_scalars(scalars: list[jax.Array]) -> jax.Array:
+    """``jnp.stack(scalars)``, stacked 32 at a time behind a barrier, as :func:`reduce_scalars`."""
+    if len(scalars) <= _FAN_IN:
+        return jnp.stack(scalars)
+    parts = [jnp.stack(scalars[i : i + _FAN_IN]) for i in range(0, len(scalars), _FAN_IN)]
+    return jnp.concatenate(list(jax.lax.optimization_barrier(parts)))
 
 
 def cond_through_buffer(

@@ -148,7 +148,7 @@ def _loss_scaler(
             _tuning.checked_square_sum(x)
             for x in jax.tree.leaves(_unscale(grads, inv_scale, params))
         ]
-        bad = jnp.isnan(jnp.stack(sums)) if sums else jnp.zeros([0], jnp.bool_)
+        bad = jnp.isnan(_tuning.stack_scalars(sums)) if sums else jnp.zeros([0], jnp.bool_)
         finite = ~jnp.isnan(_tuning.reduce_scalars(sums, jnp.sum)) if sums else jnp.array(True)
         if axis_name is not None:  # every device takes the same branch
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
