@@ -26,6 +26,8 @@ from gradtools.metrics import metrics
 from gradtools.naming import decay_mask
 from gradtools.naming import label_params
 from gradtools.naming import path_names
+from gradtools.spike_guard import SpikeGuardState
+from gradtools.spike_guard import spike_guard
 from gradtools.training import apply_gradients
 from gradtools.training import train_step
 
@@ -38,6 +40,7 @@ __all__ = [
     "FreezeState",
     "LossScaleState",
     "ParamGroupsState",
+    "SpikeGuardState",
     "TrainState",
     "__version__",
     "accumulate",
@@ -58,6 +61,7 @@ __all__ = [
     "path_names",
     "scale_loss",
     "schedules",
+    "spike_guard",
     "train_step",
 ]
 

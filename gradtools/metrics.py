@@ -10,6 +10,9 @@ values as a flat dict, ready to log or to return from a jitted step.
 
 from __future__ import annotations
 
+from collections.abc import Container
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -29,6 +32,9 @@ _SOURCES = (
 # The state of optax.inject_hyperparams (optax's InjectHyperparamsState is no
 # longer produced by it).
 _HYPERPARAM_STATE = "InjectStatefulHyperparamsState"
+# Both measure the gradient norm before they act: grad_norm is that of the one
+# that sees the gradients first (see metrics()).
+_GRAD_NORM_STATES = {"ClipByGlobalNormState": "grad_norm", "SpikeGuardState": "guard_norm"}
 
 
 def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
@@ -42,15 +48,24 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     loss_scale          ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
     skipped_steps       the same: non-finite steps so far                   int32
     finite              the same: whether the last step was finite          bool
-    grad_norm           ``clip_by_global_norm``: the norm before clipping   float32
+    grad_norm           ``clip_by_global_norm`` or ``spike_guard``: the     float32
+                        norm before it acted (see below)
     micro_step          ``accumulate``: micro-batches in the open window    int32
     dropped_micro_steps ``accumulate``: non-finite micro-batches dropped    int32
                         (``on_nonfinite='skip_microstep'``)
     learning_rate       ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
+    spikes              ``spike_guard``: steps clipped or skipped as spikes int32
+    norm_mean           ``spike_guard``: running mean of the gradient norm  float32
+    norm_std            ``spike_guard``: running standard deviation of it   float32
     =================== =================================================== =======
 
     When a transform occurs more than once, the first state found in tree
-    order is reported.
+    order is reported. ``grad_norm`` comes from whichever of
+    ``clip_by_global_norm`` and ``spike_guard`` is first in tree order: a
+    wrapper comes before what it wraps and an earlier element of a chain
+    before a later one, so it is the norm of the gradients as the first of
+    them received them. In ``spike_guard(chain(clip_by_global_norm(...),
+    adam))`` it is the guard's, this step's norm before the guard.
 
     Args:
       opt_state: any optax optimizer state.
@@ -73,9 +88,24 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
         found = optax.tree.get_all_with_path(opt_state, cls)
         if found:
             out[key] = jnp.asarray(getattr(found[0][1], field))
+    first = _first_of(opt_state, _GRAD_NORM_STATES)
+    if first is not None:
+        out["grad_norm"] = jnp.asarray(getattr(first, _GRAD_NORM_STATES[type(first).__name__]))
+    found = optax.tree.get_all_with_path(opt_state, "SpikeGuardState")
+    if found:
+        guard = found[0][1]
+        out["spikes"] = jnp.asarray(guard.spikes)
+        out["norm_mean"] = jnp.asarray(guard.norm_mean)
+        out["norm_std"] = jnp.sqrt(jnp.asarray(guard.norm_var))
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:
         # optax keeps it in the params' dtype (or as given: an int): report float32
         out["learning_rate"] = jnp.asarray(rates[0]).astype(jnp.float32)
     return out
+
+
+def _first_of(tree: Any, classes: Container[str]) -> Any:
+    """The first node of ``tree``, in tree order, whose class is named in ``classes``."""
+    found = jax.tree.leaves(tree, is_leaf=lambda x: type(x).__name__ in classes)
+    return next((x for x in found if type(x).__name__ in classes), None)
