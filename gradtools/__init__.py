@@ -10,6 +10,8 @@ from gradtools.accumulate import accumulate
 from gradtools.clipping import ClipByGlobalNormState
 from gradtools.clipping import clip_by_global_norm
 from gradtools.clipping import global_norm
+from gradtools.group_norms import GroupNormsState
+from gradtools.group_norms import group_norms
 from gradtools.groups import FreezeState
 from gradtools.groups import ParamGroupsState
 from gradtools.groups import describe
@@ -38,6 +40,7 @@ __all__ = [
     "AccumulateState",
     "ClipByGlobalNormState",
     "FreezeState",
+    "GroupNormsState",
     "LossScaleState",
     "ParamGroupsState",
     "SpikeGuardState",
@@ -54,6 +57,7 @@ __all__ = [
     "freeze",
     "frozen",
     "global_norm",
+    "group_norms",
     "label_params",
     "loss_scale",
     "metrics",

@@ -57,6 +57,7 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     spikes              ``spike_guard``: steps clipped or skipped as spikes int32
     norm_mean           ``spike_guard``: running mean of the gradient norm  float32
     norm_std            ``spike_guard``: running standard deviation of it   float32
+    grad_norm/<label>   ``group_norms``: the norm of the group ``<label>``  float32
     =================== =================================================== =======
 
     When a transform occurs more than once, the first state found in tree
@@ -97,6 +98,10 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
         out["spikes"] = jnp.asarray(guard.spikes)
         out["norm_mean"] = jnp.asarray(guard.norm_mean)
         out["norm_std"] = jnp.sqrt(jnp.asarray(guard.norm_var))
+    found = optax.tree.get_all_with_path(opt_state, "GroupNormsState")
+    if found:
+        for label, norm in found[0][1].group_grad_norms.items():
+            out[f"grad_norm/{label}"] = jnp.asarray(norm)
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:

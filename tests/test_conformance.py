@@ -37,6 +37,7 @@ def sgd_warmup_exponential_decay(learning_rate, decay_rate, decay_steps, warmup_
 
 GROUP_RULES = [(r"^dense/", optax.sgd(0.1, momentum=0.9)), (r"^head", gradtools.frozen())]
 GUARDED_CLIP = optax.chain(gradtools.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+NORM_GROUPS = [(r"^dense/", "dense"), (r"^emb", "emb")]  # head: "other"
 
 # (id, factory, kwargs): factory(**kwargs) is the transform under test.
 TRANSFORMS = [
@@ -79,6 +80,7 @@ TRANSFORMS = [
         gradtools.spike_guard,
         dict(inner=GUARDED_CLIP, action="skip", warmup_steps=2),
     ),
+    ("group_norms", gradtools.group_norms, dict(rules=NORM_GROUPS)),
     (
         "sgd_warmup_exponential_decay",
         sgd_warmup_exponential_decay,
