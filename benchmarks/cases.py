@@ -274,7 +274,7 @@ def update_cases() -> list[Case]:
         cases.append(
             Case(
                 "gradtools.clip+adam",
-                ("clip",),
+                ("clip", "diagnostics"),
                 8,
                 "norm: read g; adam: 7",
                 from_tx(_gradtools_chain()),
@@ -370,6 +370,8 @@ def update_cases() -> list[Case]:
             )
     if available("freeze"):
         cases += _group_cases()
+    if clip:
+        cases += _diagnostic_cases()
     return cases
 
 
@@ -420,3 +422,39 @@ def _group_cases() -> list[Case]:
             baseline="optax.multi_transform(adam, sgd)",
         ),
     ]
+
+
+def _diagnostic_cases() -> list[Case]:
+    """spike_guard around, and group_norms before, gradtools' clip + adam: each against the chain.
+
+    Both read the gradients for their norms where the clip does: the guard
+    hands the clip its sums of squares, and XLA computes group_norms' and the
+    clip's per-leaf sums once.
+    """
+    traffic = "norm: read g (one read for both); adam: 7"
+    out = []
+    if available("spike_guard"):
+        guard = gradtools.spike_guard(_gradtools_chain())  # pyright: ignore
+        out.append(
+            Case(
+                "gradtools.spike_guard(gradtools.clip+adam)",
+                ("diagnostics",),
+                8,
+                traffic,
+                from_tx(guard),
+                baseline="gradtools.clip+adam",
+            )
+        )
+    if available("group_norms"):
+        norms = gradtools.group_norms([(_HALF, "even")])  # pyright: ignore
+        out.append(
+            Case(
+                "gradtools.group_norms+clip+adam",
+                ("diagnostics",),
+                8,
+                traffic,
+                from_tx(optax.chain(norms, _gradtools_chain())),
+                baseline="gradtools.clip+adam",
+            )
+        )
+    return out

@@ -104,6 +104,18 @@ UPDATE_TARGETS = (
         0.9,
     ),
     ("gradtools.clip+adam / optax.adam", "gradtools.clip+adam", "optax.adam", 1.25),
+    (
+        "spike_guard(gradtools.clip+adam) / gradtools.clip+adam",
+        "gradtools.spike_guard*",
+        "gradtools.clip+adam",
+        1.1,
+    ),
+    (
+        "group_norms+gradtools.clip+adam / gradtools.clip+adam",
+        "gradtools.group_norms*",
+        "gradtools.clip+adam",
+        1.1,
+    ),
 )
 
 

@@ -10,6 +10,8 @@ from gradtools.accumulate import accumulate
 from gradtools.clipping import ClipByGlobalNormState
 from gradtools.clipping import clip_by_global_norm
 from gradtools.clipping import global_norm
+from gradtools.group_norms import GroupNormsState
+from gradtools.group_norms import group_norms
 from gradtools.groups import FreezeState
 from gradtools.groups import ParamGroupsState
 from gradtools.groups import describe
@@ -27,6 +29,8 @@ from gradtools.metrics import nonfinite_leaves
 from gradtools.naming import decay_mask
 from gradtools.naming import label_params
 from gradtools.naming import path_names
+from gradtools.spike_guard import SpikeGuardState
+from gradtools.spike_guard import spike_guard
 from gradtools.training import apply_gradients
 from gradtools.training import train_step
 
@@ -37,8 +41,10 @@ __all__ = [
     "AccumulateState",
     "ClipByGlobalNormState",
     "FreezeState",
+    "GroupNormsState",
     "LossScaleState",
     "ParamGroupsState",
+    "SpikeGuardState",
     "TrainState",
     "__version__",
     "accumulate",
@@ -52,6 +58,7 @@ __all__ = [
     "freeze",
     "frozen",
     "global_norm",
+    "group_norms",
     "label_params",
     "loss_scale",
     "metrics",
@@ -60,6 +67,7 @@ __all__ = [
     "path_names",
     "scale_loss",
     "schedules",
+    "spike_guard",
     "train_step",
 ]
 

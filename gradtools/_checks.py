@@ -36,6 +36,7 @@ __all__ = [
     "in_open_interval",
     "is_bool",
     "is_transform",
+    "non_negative_int",
     "numeric",
     "numeric_leaves",
     "one_of",
@@ -155,6 +156,19 @@ def positive_int(name: str, value: Any) -> None:
             raise ValueError(f"{name}={value!r} must be a positive int")
     if int(value) < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
+    if int(value) > MAX_INT32:
+        raise ValueError(f"{name}={value!r} must be at most 2**31 - 1: steps are counted in int32")
+
+
+def non_negative_int(name: str, value: Any) -> None:
+    """Checks that ``value`` is an integer from 0 to 2**31 - 1 (not a bool, not a float)."""
+    if traced(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if not (np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer)):
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    if int(value) < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
     if int(value) > MAX_INT32:
         raise ValueError(f"{name}={value!r} must be at most 2**31 - 1: steps are counted in int32")
 

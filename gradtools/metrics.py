@@ -10,6 +10,7 @@ values as a flat dict, ready to log or to return from a jitted step.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import jax
@@ -35,6 +36,9 @@ _SOURCES = (
 # The state of optax.inject_hyperparams (optax's InjectHyperparamsState is no
 # longer produced by it).
 _HYPERPARAM_STATE = "InjectStatefulHyperparamsState"
+# Both measure the gradient norm before they act: grad_norm is that of the one
+# that sees the gradients first (see metrics()).
+_GRAD_NORM_STATES = {"ClipByGlobalNormState": "grad_norm", "SpikeGuardState": "guard_norm"}
 
 
 def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
@@ -42,28 +46,14 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
     Keys are present only when the matching transform is:
 
-    ==================== ==================================================== =======
-    key                  from                                                 dtype
-    ==================== ==================================================== =======
-    loss_scale           ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
-    skipped_steps        the same: steps not applied so far                   int32
-    finite               the same: whether the last step's gradients were     bool
-                         finite
-    nonfinite_updates    the same: steps not applied because they would have  int32
-                         written inf or NaN into half-precision params or
-                         state
-    nonfinite_leaf_count the same: leaves whose gradients overflowed in the   int32
-                         last skipped step
-                         (:func:`gradtools.nonfinite_leaves` names them)
-    grad_norm            ``clip_by_global_norm``: the norm before clipping    float32
-    micro_step           ``accumulate``: micro-batches in the open window     int32
-    dropped_micro_steps  ``accumulate``: non-finite micro-batches dropped     int32
-                         (``on_nonfinite='skip_microstep'``)
-    learning_rate        ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
-    ==================== ==================================================== =======
-
+    ==================== ====================================================
     When a transform occurs more than once, the first state found in tree
-    order is reported.
+    order is reported. ``grad_norm`` comes from whichever of
+    ``clip_by_global_norm`` and ``spike_guard`` is first in tree order: a
+    wrapper comes before what it wraps and an earlier element of a chain
+    before a later one, so it is the norm of the gradients as the first of
+    them received them. In ``spike_guard(chain(clip_by_global_norm(...),
+    adam))`` it is the guard's, this step's norm before the guard.
 
     Args:
       opt_state: any optax optimizer state.
@@ -90,6 +80,19 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     if found:
         flags = jnp.asarray(found[0][1].nonfinite_leaves)
         out["nonfinite_leaf_count"] = jnp.sum(flags, dtype=jnp.int32)
+    first = _first_of(opt_state, _GRAD_NORM_STATES)
+    if first is not None:
+        out["grad_norm"] = jnp.asarray(getattr(first, _GRAD_NORM_STATES[type(first).__name__]))
+    found = optax.tree.get_all_with_path(opt_state, "SpikeGuardState")
+    if found:
+        guard = found[0][1]
+        out["spikes"] = jnp.asarray(guard.spikes)
+        out["norm_mean"] = jnp.asarray(guard.norm_mean)
+        out["norm_std"] = jnp.sqrt(jnp.asarray(guard.norm_var))
+    found = optax.tree.get_all_with_path(opt_state, "GroupNormsState")
+    if found:
+        for label, norm in found[0][1].group_grad_norms.items():
+            out[f"grad_norm/{label}"] = jnp.asarray(norm)
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:
@@ -141,3 +144,9 @@ def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
             f"{flags.size}: pass the params the scaler was given"
         )
     return [n for n, bad in zip(names, flags) if bad]
+
+
+def _first_of(tree: Any, classes: Container[str]) -> Any:
+    """The first node of ``tree``, in tree order, whose class is named in ``classes``."""
+    found = jax.tree.leaves(tree, is_leaf=lambda x: type(x).__name__ in classes)
+    return next((x for x in found if type(x).__name__ in classes), None)

@@ -283,6 +283,30 @@ BAD = {
         (V, "max_norm=True must be a real number, not a bool", lambda: G.clip_by_global_norm(True)),
         (V, r"max_norm=1e-50 .*float32 rounds it to 0.0", lambda: G.clip_by_global_norm(1e-50)),
     ],
+    "spike_guard": [
+        (T, "inner=<function sgd .* call it", lambda: G.spike_guard(optax.sgd)),
+        (V, "z_threshold=0", lambda: G.spike_guard(SGD, z_threshold=0)),
+        (
+            V,
+            "z_threshold='2.5' must be a real number",
+            lambda: G.spike_guard(SGD, z_threshold="2.5"),
+        ),
+        (V, "decay=1.0 must be strictly between", lambda: G.spike_guard(SGD, decay=1.0)),
+        (V, "warmup_steps=-1 must be an int >= 0", lambda: G.spike_guard(SGD, warmup_steps=-1)),
+        (V, "warmup_steps=2.0 must be an int >= 0", lambda: G.spike_guard(SGD, warmup_steps=2.0)),
+        (
+            V,
+            r"action='clamp' must be one of \('clip', 'skip'\)",
+            lambda: G.spike_guard(SGD, action="clamp"),
+        ),
+        (V, "norm_type=0.5", lambda: G.spike_guard(SGD, norm_type=0.5)),
+    ],
+    "group_norms": [
+        (T, r"rules\[0\]\[1\]=None must be a non-empty str", lambda: G.group_norms([("a", None)])),
+        (T, "default=3 must be a non-empty str", lambda: G.group_norms([("a", "a")], default=3)),
+        (V, "rules.*'\\(' is not a valid regular expression", lambda: G.group_norms([("(", "a")])),
+        (V, "norm_type=0", lambda: G.group_norms([("a", "a")], norm_type=0)),
+    ],
     "global_norm": [
         (T, r"tree\['a'\]='x'", lambda: G.global_norm({"a": "x"})),
         (

@@ -178,6 +178,36 @@ def test_lenet_section_shows_the_pytorch_column_only_with_pytorch_rows():
 _META = {"command": "test", "date": "today", "wall_s": 60.0, "versions": {}}
 
 
+def test_diagnostics_targets_compare_with_the_chain_alone_round_by_round():
+    def row(case, samples, group="diagnostics"):
+        return {"params": 16 << 20, "leaves": 8, "group": group, "case": case,
+                "samples_s": samples, "median_s": sorted(samples)[1], "x_bound": 1.0}  # fmt: skip
+
+    rows = [
+        row("gradtools.clip+adam", [1.0, 2.0, 1.0]),
+        row("gradtools.clip+adam", [9.0, 9.0, 9.0], group="clip"),  # another group: not used
+        # per round 1.05, 0.9, 1.2: median 1.05; and 1.1, 1.3, 1.15: median 1.15
+        row("gradtools.spike_guard(gradtools.clip+adam)", [1.05, 1.8, 1.2]),
+        row("gradtools.group_norms+clip+adam", [1.1, 2.6, 1.15]),
+    ]
+    found = {t["target"]: t for t in report.targets({"update": rows})}
+    guard = found["spike_guard(gradtools.clip+adam) / gradtools.clip+adam"]
+    norms = found["group_norms+gradtools.clip+adam / gradtools.clip+adam"]
+    assert guard["where"] == norms["where"] == "16M params, 8 leaves"
+    assert guard["value"] == pytest.approx(1.05) and guard["pass"] and guard["limit"] == 1.1
+    assert norms["value"] == pytest.approx(1.15) and not norms["pass"]
+    assert names_of_update_cases_in("diagnostics") == [
+        "triad",
+        "gradtools.clip+adam",
+        "gradtools.spike_guard(gradtools.clip+adam)",
+        "gradtools.group_norms+clip+adam",
+    ]
+
+
+def names_of_update_cases_in(group):
+    return [c.name for c in update_cases() if group in c.groups or "*" in c.groups]
+
+
 def test_report_renders_every_section_and_checks_targets(results):
     text = report.render(results)
     for heading in ("## Machine and versions", "## Targets", "## Update cost", "## Compile time",

@@ -36,6 +36,8 @@ def sgd_warmup_exponential_decay(learning_rate, decay_rate, decay_steps, warmup_
 
 
 GROUP_RULES = [(r"^dense/", optax.sgd(0.1, momentum=0.9)), (r"^head", gradtools.frozen())]
+GUARDED_CLIP = optax.chain(gradtools.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+NORM_GROUPS = [(r"^dense/", "dense"), (r"^emb", "emb")]  # head: "other"
 
 # (id, factory, kwargs): factory(**kwargs) is the transform under test.
 TRANSFORMS = [
@@ -68,6 +70,17 @@ TRANSFORMS = [
     ("param_groups", gradtools.param_groups, dict(rules=GROUP_RULES, default=optax.adam(0.1))),
     ("freeze", gradtools.freeze, dict(inner=optax.sgd(0.1, momentum=0.9), patterns=r"^dense/bias")),
     ("frozen", gradtools.frozen, dict()),
+    (
+        "spike_guard",  # warmed up after one step: the 2nd and 3rd are clipped spikes
+        gradtools.spike_guard,
+        dict(inner=optax.adam(0.1), z_threshold=0.5, warmup_steps=1),
+    ),
+    (
+        "spike_guard_skip",  # the 3rd step is a skipped spike
+        gradtools.spike_guard,
+        dict(inner=GUARDED_CLIP, action="skip", warmup_steps=2),
+    ),
+    ("group_norms", gradtools.group_norms, dict(rules=NORM_GROUPS)),
     (
         "sgd_warmup_exponential_decay",
         sgd_warmup_exponential_decay,
