@@ -46,7 +46,31 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
     Keys are present only when the matching transform is:
 
-    ==================== ====================================================
+    ==================== ==================================================== =======
+    key                  from                                                 dtype
+    ==================== ==================================================== =======
+    loss_scale           ``dynamic_loss_scale`` / ``fixed_loss_scale``        float32
+    skipped_steps        the same: steps not applied so far                   int32
+    finite               the same: whether the last step's gradients were     bool
+                         finite
+    nonfinite_updates    the same: steps not applied because they would have  int32
+                         written inf or NaN into half-precision params or
+                         state
+    nonfinite_leaf_count the same: leaves whose gradients overflowed in the   int32
+                         last skipped step
+                         (:func:`gradtools.nonfinite_leaves` names them)
+    grad_norm            ``clip_by_global_norm`` or ``spike_guard``: the norm float32
+                         before it acted (see below)
+    micro_step           ``accumulate``: micro-batches in the open window     int32
+    dropped_micro_steps  ``accumulate``: non-finite micro-batches dropped     int32
+                         (``on_nonfinite='skip_microstep'``)
+    learning_rate        ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
+    spikes               ``spike_guard``: steps clipped or skipped as spikes  int32
+    norm_mean            ``spike_guard``: running mean of the gradient norm   float32
+    norm_std             ``spike_guard``: running standard deviation of it    float32
+    grad_norm/<label>    ``group_norms``: the norm of the group ``<label>``   float32
+    ==================== ==================================================== =======
+
     When a transform occurs more than once, the first state found in tree
     order is reported. ``grad_norm`` comes from whichever of
     ``clip_by_global_norm`` and ``spike_guard`` is first in tree order: a
