@@ -42,8 +42,8 @@ class Config:
     sections: tuple[str, ...] = SECTIONS
     sizes: tuple[int, ...] = (1 << 20, 16 << 20, 64 << 20)
     leaves: tuple[int, ...] = (8, 1000)
-    #: configs timed besides sizes x leaves: a real model's tree (a transformer's has ~150).
-    extra_configs: tuple[tuple[int, int, tuple[str, ...] | None], ...] = ((16 << 20, 150, None),)
+    #: configs timed besides sizes x leaves (the whole run adds FULL_EXTRA_CONFIGS).
+    extra_configs: tuple[tuple[int, int, tuple[str, ...] | None], ...] = ()
     #: (params, leaves, groups or None) for the update section; None: sizes x leaves.
     configs: tuple[tuple[int, int, tuple[str, ...] | None], ...] | None = None
     groups: tuple[str, ...] | None = None
@@ -77,9 +77,12 @@ QUICK = Config(
     memory_leaves=4,
     lenet_batch=8,
     lenet_reps=2,
-    extra_configs=(),
     quick=True,
 )
+
+#: What the whole run times besides sizes x leaves: a real model's tree (a transformer's has
+#: about 150 leaves).
+FULL_EXTRA_CONFIGS = ((16 << 20, 150, None),)
 
 
 def is_partial(config: dict[str, Any]) -> bool:
@@ -149,9 +152,11 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
     if "update" in config.sections:
         from benchmarks.update import run_update
 
-        configs = config.configs or tuple(
-            (n, leaves, None) for n in config.sizes for leaves in config.leaves
-        ) + config.extra_configs
+        configs = (
+            config.configs
+            or tuple((n, leaves, None) for n in config.sizes for leaves in config.leaves)
+            + config.extra_configs
+        )
         results["update"], notes = run_update(
             configs,
             config.reps,
@@ -344,8 +349,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["sizes"] = _counts(args.sizes)
     if args.leaves:
         changes["leaves"] = _counts(args.leaves)
-    if args.sizes or args.leaves:
-        changes["extra_configs"] = ()  # exactly the sizes x leaves asked for
+    if not (args.quick or args.sizes or args.leaves):
+        changes["extra_configs"] = FULL_EXTRA_CONFIGS
     if args.groups:
         changes["groups"] = tuple(g.strip() for g in args.groups.split(","))
     if args.configs:

@@ -434,7 +434,7 @@ def test_help_lists_every_option_and_the_multi_host_ones(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     options = [a.option_strings[-1] for a in parser()._actions]
-    assert len(options) == 22 and all(option in out for option in options)
+    assert len(options) == 23 and all(option in out for option in options)  # --verbose too
     assert "--coordinator HOST:PORT" in out and "--num-processes N" in out
     assert "--process-id I" in out
     # one line on what runs where
