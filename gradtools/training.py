@@ -32,18 +32,20 @@ def apply_gradients(
       updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
       params = optax.apply_updates(params, updates)
 
-    When ``tx`` is a :func:`gradtools.dynamic_loss_scale`,
-    :func:`gradtools.fixed_loss_scale` or :func:`gradtools.accumulate` wrapper
-    (one inside the other too, or inside :func:`gradtools.freeze` or
-    :func:`gradtools.param_groups`, which leave frozen params untouched), the
-    params are updated inside the branch that runs the optimizer, and a step
-    that runs no optimizer (a skipped step, an accumulation micro-step)
-    returns them as they were. The updates then never
-    leave that branch, so XLA needs no parameter-sized buffer for them, and a
-    micro-step reads and writes only the accumulation buffer. The new state is
-    the one ``tx.update`` returns, except for what a closed accumulation window
-    leaves in its buffer (never read again). :func:`train_step` calls this.
-    Measured on CPU, see ``benchmarks/RESULTS.md``.
+    Which form runs is decided by ``tx`` itself: a gradtools wrapper
+    (:func:`gradtools.dynamic_loss_scale`, :func:`gradtools.fixed_loss_scale`,
+    :func:`gradtools.accumulate`, :func:`gradtools.spike_guard`,
+    :func:`gradtools.freeze`, :func:`gradtools.param_groups`, one inside the
+    other too) carries an update-and-apply form in its ``update``, and then
+    the params are updated inside the branch that runs the optimizer: the
+    updates never leave it, so XLA needs no parameter-sized buffer for them,
+    and a step that runs no optimizer (a skipped step, a micro-step, a frozen
+    group) returns the params as they were. Any other ``tx`` (an
+    ``optax.chain``, ``optax.inject_hyperparams`` or a wrapper of your own,
+    even around a gradtools wrapper) runs the two lines above. The new state is
+    the one ``tx.update`` returns, but for the scratch an accumulation buffer
+    holds between windows. :func:`train_step` and :class:`gradtools.TrainState`
+    call this.
 
     Args:
       tx: any ``optax.GradientTransformation``.
