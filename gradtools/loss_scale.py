@@ -114,6 +114,27 @@ _Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array
 _HALF = (jnp.float16, jnp.bfloat16)
 
 
+def _half_leaves(tree: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(tree) if jnp.result_type(x) in _HALF]
+
+
+def _has_half(tree: Any) -> bool:
+    """Whether ``tree`` has a float16 or bfloat16 leaf: decided from dtypes, when traced."""
+    return bool(_half_leaves(tree))
+
+
+def _finite_and_bad_leaves(sums: list[jax.Array], axis_name: Hashable | None) -> tuple[Any, Any]:
+    """Whether all sums are finite, and a flag per leaf that is not; agreed over ``axis_name``."""
+    if not sums:
+        return jnp.array(True), jnp.zeros([0], jnp.bool_)
+    finite = ~jnp.isnan(_tuning.reduce_scalars(sums, jnp.sum))
+    bad = jnp.isnan(_tuning.stack_scalars(sums))
+    if axis_name is not None:  # every device takes the same branch
+        finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite, bad
+
+
 def _loss_scaler(
     caller: str,
     inner: optax.GradientTransformation,
@@ -148,16 +169,9 @@ def _loss_scaler(
             _tuning.checked_square_sum(x)
             for x in jax.tree.leaves(_unscale(grads, inv_scale, params))
         ]
-        bad = jnp.isnan(_tuning.stack_scalars(sums)) if sums else jnp.zeros([0], jnp.bool_)
-        finite = ~jnp.isnan(_tuning.reduce_scalars(sums, jnp.sum)) if sums else jnp.array(True)
-        if axis_name is not None:  # every device takes the same branch
-            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-            bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        finite, bad = _finite_and_bad_leaves(sums, axis_name)
         # With half-precision params or state, a finite step may still write inf or NaN.
-        half = [x for x in jax.tree.leaves(state.inner_state) if jnp.result_type(x) in _HALF]
-        check_writes = skip_nonfinite and (
-            half or any(jnp.result_type(p) in _HALF for p in jax.tree.leaves(params))
-        )
+        check_writes = skip_nonfinite and _has_half((params, state.inner_state))
 
         def run(grads):  # unscaled again here, so that XLA need not store the unscaled copy
             unscaled = _unscale(grads, inv_scale, params)
@@ -168,8 +182,7 @@ def _loss_scaler(
             if not check_writes:
                 return out, (new_inner, jnp.array(True))
             new_params = out if fused else optax.apply_updates(params, out)
-            new_half = [x for x in jax.tree.leaves(new_inner) if jnp.result_type(x) in _HALF]
-            ok = all_finite((new_params, new_half))  # float32 state may hold an inf grad_norm
+            ok = all_finite((new_params, _half_leaves(new_inner)))  # float32 may hold an inf norm
             old = (params if fused else _tree.zeros_like(out), state.inner_state)
             out, new_inner = jax.tree.map(functools.partial(jnp.where, ok), (out, new_inner), old)
             return out, (new_inner, ok)
