@@ -25,6 +25,7 @@ _SOURCES = (
     ("grad_norm", "ClipByGlobalNormState", "grad_norm"),
     ("micro_step", "AccumulateState", "micro_step"),
     ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
+    ("window_size", "AccumulateState", "window_size"),
 )
 # The state of optax.inject_hyperparams (optax's InjectHyperparamsState is no
 # longer produced by it).
@@ -46,6 +47,8 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     micro_step          ``accumulate``: micro-batches in the open window    int32
     dropped_micro_steps ``accumulate``: non-finite micro-batches dropped    int32
                         (``on_nonfinite='skip_microstep'``)
+    window_size         ``accumulate``: the open window's length            int32
+                        (``every_k``, or what its schedule gave)
     learning_rate       ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
     =================== =================================================== =======
 
