@@ -18,7 +18,8 @@ grads, opt_state, params, weight=..., flush=...)`` does the update and the
 apply in one call, and its micro-step leaves the params untouched.
 
 ``every_k`` may also be a schedule of the number of windows closed so far (a
-batch-size ramp).
+batch-size ramp), and ``noise_scale=True`` estimates the gradient noise scale
+from the windows' micro-batches.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import optax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _noise_scale
 from gradtools import _tree
 from gradtools import _tuning
+from gradtools._noise_scale import NoiseScaleState
 from gradtools.loss_scale import all_finite
 
-__all__ = ["AccumulateState", "accumulate"]
+__all__ = ["AccumulateState", "NoiseScaleState", "accumulate"]
 
 _ON_NONFINITE = ("propagate", "skip_microstep")
 
@@ -62,6 +65,8 @@ class AccumulateState(NamedTuple):
         evaluated at it.
       window_size: the length of the open window (of the next one between
         windows): ``every_k``, or ``every_k(windows_closed)`` raised to 1.
+      noise_stats: a :class:`NoiseScaleState` with ``noise_scale=True``,
+        else ``()``.
     """
 
     micro_step: jax.Array  # shape=(), dtype=int32
@@ -71,6 +76,7 @@ class AccumulateState(NamedTuple):
     inner_state: optax.OptState
     windows_closed: jax.Array  # shape=(), dtype=int32
     window_size: jax.Array  # shape=(), dtype=int32
+    noise_stats: NoiseScaleState | tuple[()]
 
 
 def _micro_weight(weight: Any) -> jax.Array:
@@ -113,6 +119,8 @@ def accumulate(
     average: bool = True,
     dtype: Any = jnp.float32,
     on_nonfinite: str = "propagate",
+    noise_scale: bool = False,
+    noise_scale_decay: Any = 0.99,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it steps once per window of ``every_k`` micro-batches.
 
@@ -150,6 +158,20 @@ def accumulate(
     ``every_k=lambda n: jnp.where(n < 2, 2, 4)`` closes windows after 2, 2, 4,
     4, ... micro-steps. ``metrics()`` reports the length as ``window_size``.
 
+    ``noise_scale=True`` estimates the gradient noise scale. A closed window of
+    ``n >= 2`` micro-batches, of weight ``b`` each and ``B = n * b`` in all,
+    gives, in float32, ``small = mean_i |g_i|^2``, ``big = |mean_i g_i|^2``, the
+    estimates ``G2 = (B * big - b * small) / (B - b)`` of ``|G|^2`` and ``S =
+    (small - big) / (1 / b - 1 / B)`` of ``tr(Sigma)``. ``metrics()`` reports
+    their moving averages (decay ``noise_scale_decay``, bias-corrected as in
+    Adam) as ``grad_sq_norm`` and ``grad_variance``, and ``noise_scale = S / G2``:
+    the batch size, in units of ``weight``, past which larger batches help
+    little. With unequal weights the means over ``i`` are weighted by them and
+    ``b = B / n``: the estimates stay unbiased if a micro-batch's gradient
+    noise is ``Sigma / weight`` (``weight`` its example count). A window whose
+    estimates are not finite is left out; put a loss scaler outside
+    ``accumulate``, so that they see unscaled gradients.
+
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``); extra
         keyword arguments of ``update`` are passed on to it.
@@ -161,6 +183,8 @@ def accumulate(
       dtype: the floating dtype of ``acc_grads``; float32 keeps half-precision
         gradients from losing precision (or overflowing) as they are summed.
       on_nonfinite: ``"propagate"`` or ``"skip_microstep"``.
+      noise_scale: keep the gradient noise statistics (off: no work, no state).
+      noise_scale_decay: the decay of their moving averages, per window.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -171,11 +195,13 @@ def accumulate(
         for complex gradients.
       ValueError: if ``every_k`` is neither an int >= 1 nor callable, or is
         traced (under ``optax.inject_hyperparams`` pass
-        ``static_args=('every_k', 'dtype')``), ``average`` is not a bool,
-        ``dtype`` is not a floating dtype or ``on_nonfinite`` is unknown; at
-        trace time, if ``every_k(n)`` is not a scalar int, ``weight`` is not a
-        real scalar, ``flush`` is not a scalar bool, or the gradients' tree or
-        leaf shapes differ from the params' or the buffer's.
+        ``static_args=('every_k', 'dtype')``), ``average`` or ``noise_scale``
+        is not a bool, ``dtype`` is not a floating dtype, ``on_nonfinite`` is
+        unknown, ``noise_scale_decay`` is not in (0, 1), or ``noise_scale`` is
+        asked with ``every_k=1``; at trace time, if ``every_k(n)`` is not a
+        scalar int, ``weight`` is not a real scalar, ``flush`` is not a scalar
+        bool, or the gradients' tree or leaf shapes differ from the params' or
+        the buffer's.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -197,9 +223,10 @@ def accumulate(
 
     References:
       Goyal et al., `Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour
-      <https://arxiv.org/abs/1706.02677>`_, 2017. ``optax.MultiSteps``
-      (``every_k_schedule``); MindSpore's gradient accumulation with
-      ``accu_overflow``.
+      <https://arxiv.org/abs/1706.02677>`_, 2017. McCandlish et al., `An
+      Empirical Model of Large-Batch Training <https://arxiv.org/abs/1812.06162>`_,
+      2018. ``optax.MultiSteps`` (``every_k_schedule``); MindSpore's gradient
+      accumulation with ``accu_overflow``.
     """
     _checks.is_transform("inner", inner)
     schedule = every_k if callable(every_k) else None
@@ -209,7 +236,12 @@ def accumulate(
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)
     _checks.one_of("on_nonfinite", on_nonfinite, _ON_NONFINITE)
+    _checks.is_bool("noise_scale", noise_scale)
+    _checks.in_open_interval("noise_scale_decay", noise_scale_decay, 0.0, 1.0)
+    decay = noise_scale_decay
     k = 0 if schedule is not None else int(every_k)  # pyright: ignore[reportArgumentType]
+    if noise_scale and k == 1:
+        raise ValueError("noise_scale=True needs windows of 2 or more micro-batches: every_k=1")
     inner = optax.with_extra_args_support(inner)
     dtype = jnp.dtype(dtype)
     skip_nonfinite = on_nonfinite == "skip_microstep"
@@ -231,6 +263,7 @@ def accumulate(
             inner_state=inner.init(params),
             windows_closed=jnp.zeros([], jnp.int32),
             window_size=size(jnp.zeros([], jnp.int32)),
+            noise_stats=_noise_scale.init() if noise_scale else (),
         )
 
     def add(state, grads, w, take):
@@ -247,7 +280,7 @@ def accumulate(
             grads,
         )
 
-    def after(state, closes, micro_step, window_weight, finite, window, inner_state):
+    def after(state, closes, micro_step, window_weight, finite, window, inner_state, noise):
         """The state after this micro-step: a window that closes makes way for the next."""
         closed = closes & (micro_step > 0)  # it held a micro-step
         n = state.windows_closed
@@ -263,6 +296,7 @@ def accumulate(
             inner_state=inner_state,
             windows_closed=windows_closed,
             window_size=window_size,
+            noise_stats=_noise_scale.clear(noise, closes) if noise_scale else (),
         )
 
     def step(grads, state, params, extra_args, fused):
@@ -281,6 +315,9 @@ def accumulate(
         micro_step = state.micro_step + finite.astype(jnp.int32)
         window_weight = state.window_weight + jnp.where(take, w, jnp.zeros([], jnp.float32))
         closes = (micro_step >= (k if schedule is None else state.window_size)) | flush
+        noise = state.noise_stats
+        if noise_scale:
+            noise = _noise_scale.add(noise, _noise_scale.sq_norm(grads), w, take)
 
         # If the window closes (and holds any weight), step the optimizer on its mean.
         like = grads if params is None else params
@@ -290,17 +327,22 @@ def accumulate(
             if k != 1:
                 div = (window_weight if average else jnp.ones([], jnp.float32)).astype(dtype)
                 mean = jax.tree.map(lambda a, p: (a / div).astype(jnp.result_type(p)), window, like)
-            return _apply.step(inner, mean, state.inner_state, params, extra_args, fused)
+            out, stepped = _apply.step(inner, mean, state.inner_state, params, extra_args, fused)
+            if not noise_scale:
+                return out, stepped
+            # |mean_i g_i|^2 read from what inner was given, not from the buffer: a second
+            # read of the buffer in this branch makes XLA:CPU copy it on every micro-step.
+            big = _noise_scale.sq_norm(mean) / (1 if average else window_weight * window_weight)
+            return out, (stepped, _noise_scale.close(noise, big, window_weight, decay))
 
+        carry = (state.inner_state, noise) if noise_scale else state.inner_state
         emits = closes & (window_weight > 0)
         if fused or k == 1:
-            out, inner_state = _apply.step_or_skip(
-                emits, close, window, fused, params, state.inner_state
-            )
+            out, carry = _apply.step_or_skip(emits, close, window, fused, params, carry)
         else:
-            out, window, inner_state = _tuning.cond_through_buffer(
-                emits, close, window, state.inner_state
-            )
-        return out, after(state, closes, micro_step, window_weight, finite, window, inner_state)
+            out, window, carry = _tuning.cond_through_buffer(emits, close, window, carry)
+        if noise_scale:
+            carry, noise = carry
+        return out, after(state, closes, micro_step, window_weight, finite, window, carry, noise)
 
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))

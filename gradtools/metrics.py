@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gradtools import _noise_scale
+
 __all__ = ["metrics"]
 
 # (metric key, state class name, field): the first state of that class found in
@@ -49,6 +51,12 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
                         (``on_nonfinite='skip_microstep'``)
     window_size         ``accumulate``: the open window's length            int32
                         (``every_k``, or what its schedule gave)
+    noise_scale         ``accumulate(noise_scale=True)``: the gradient      float32
+                        noise scale ``grad_variance / grad_sq_norm``, in
+                        units of ``weight`` (0 before the first estimate)
+    grad_sq_norm        the same: the bias-corrected average of the         float32
+                        estimates of ``|G|^2``
+    grad_variance       the same: of the estimates of ``tr(Sigma)``         float32
     learning_rate       ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
     =================== =================================================== =======
 
@@ -76,6 +84,9 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
         found = optax.tree.get_all_with_path(opt_state, cls)
         if found:
             out[key] = jnp.asarray(getattr(found[0][1], field))
+    found = optax.tree.get_all_with_path(opt_state, "NoiseScaleState")
+    if found:
+        out.update(_noise_scale.report(found[0][1]))
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:

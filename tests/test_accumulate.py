@@ -379,6 +379,10 @@ def test_every_k_1_skip_rules():
         ({"every_k": 2, "dtype": jnp.int32}, "dtype"),
         ({"every_k": 2, "dtype": None}, "dtype"),
         ({"every_k": "2"}, "every_k"),
+        ({"every_k": 2, "noise_scale": 1}, "noise_scale"),
+        ({"every_k": 2, "noise_scale": True, "noise_scale_decay": 1.0}, "noise_scale_decay"),
+        ({"every_k": 2, "noise_scale_decay": 0.0}, "noise_scale_decay"),
+        ({"every_k": 1, "noise_scale": True}, "every_k=1"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):

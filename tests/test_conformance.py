@@ -74,6 +74,11 @@ TRANSFORMS = [
         gradtools.accumulate,
         dict(inner=optax.sgd(0.1, momentum=0.9), every_k=one_then_two),
     ),
+    (
+        "accumulate_noise_scale",
+        gradtools.accumulate,
+        dict(inner=optax.adam(0.1), every_k=2, noise_scale=True),
+    ),
     ("clip_by_global_norm", gradtools.clip_by_global_norm, dict(max_norm=1.0)),
     ("param_groups", gradtools.param_groups, dict(rules=GROUP_RULES, default=optax.adam(0.1))),
     ("freeze", gradtools.freeze, dict(inner=optax.sgd(0.1, momentum=0.9), patterns=r"^dense/bias")),
