@@ -60,9 +60,9 @@ class AccumulateState(NamedTuple):
         discards (it holds what the last window left: its sum, or through
         ``update`` the updates it produced).
       inner_state: the state of the wrapped transformation.
-      windows_closed: windows closed so far (by ``every_k`` or by ``flush``)
-        that held at least one micro-step; a scheduled ``every_k`` is
-        evaluated at it.
+      windows_closed: with a scheduled ``every_k``, the windows closed so far
+        (by ``every_k`` or by ``flush``) that held at least one micro-step,
+        at which the schedule is evaluated; 0 with an int ``every_k``.
       window_size: the length of the open window (of the next one between
         windows): ``every_k``, or ``every_k(windows_closed)`` raised to 1.
       noise_stats: a :class:`NoiseScaleState` with ``noise_scale=True``,
@@ -137,8 +137,9 @@ def accumulate(
           g = acc_grads / window_weight if average else acc_grads
           updates, inner_state = inner.update(g, inner_state, params, **extra)
         acc_grads = 0; window_weight = 0; micro_step = 0
-        windows_closed += 1                          # if it held a micro-step
-        window_size = max(every_k(windows_closed), 1) if callable(every_k) else every_k
+        if callable(every_k):                        # window_size is every_k otherwise
+          windows_closed += 1                        # if the window held a micro-step
+          window_size = max(every_k(windows_closed), 1)
       otherwise updates = 0 and inner_state is unchanged
 
     ``acc_grads`` is kept in ``dtype`` and cleared by selection (never by
@@ -282,11 +283,11 @@ def accumulate(
 
     def after(state, closes, micro_step, window_weight, finite, window, inner_state, noise):
         """The state after this micro-step: a window that closes makes way for the next."""
-        closed = closes & (micro_step > 0)  # it held a micro-step
-        n = state.windows_closed
-        windows_closed = jnp.where(closed, optax.safe_increment(n), n).astype(jnp.int32)
-        window_size = state.window_size
-        if schedule is not None:
+        windows_closed, window_size = state.windows_closed, state.window_size
+        if schedule is not None:  # an int every_k needs no count (nor its kernel on a GPU)
+            closed = closes & (micro_step > 0)  # it held a micro-step
+            n = windows_closed
+            windows_closed = jnp.where(closed, optax.safe_increment(n), n).astype(jnp.int32)
             window_size = jnp.where(closes, size(windows_closed), window_size)
         return AccumulateState(
             micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
