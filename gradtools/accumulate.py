@@ -324,16 +324,18 @@ def accumulate(
         like = grads if params is None else params
 
         def close(window):
-            mean = window  # every_k=1: the micro-batch as it came
+            mean = exact = window  # every_k=1: the micro-batch as it came
             if k != 1:
                 div = (window_weight if average else jnp.ones([], jnp.float32)).astype(dtype)
-                mean = jax.tree.map(lambda a, p: (a / div).astype(jnp.result_type(p)), window, like)
+                exact = jax.tree.map(lambda a: a / div, window)  # in dtype
+                mean = jax.tree.map(lambda m, p: m.astype(jnp.result_type(p)), exact, like)
             out, stepped = _apply.step(inner, mean, state.inner_state, params, extra_args, fused)
             if not noise_scale:
                 return out, stepped
-            # |mean_i g_i|^2 read from what inner was given, not from the buffer: a second
-            # read of the buffer in this branch makes XLA:CPU copy it on every micro-step.
-            big = _noise_scale.sq_norm(mean) / (1 if average else window_weight * window_weight)
+            # |mean_i g_i|^2 from the mean inner is given (before its cast to the params'
+            # dtypes), not from the buffer: a second read of the buffer in this branch
+            # makes XLA:CPU copy the buffer on every micro-step.
+            big = _noise_scale.sq_norm(exact) / (1 if average else window_weight * window_weight)
             return out, (stepped, _noise_scale.close(noise, big, window_weight, decay))
 
         carry = (state.inner_state, noise) if noise_scale else state.inner_state
