@@ -368,6 +368,8 @@ def update_cases() -> list[Case]:
                     f32_words=2,
                 )
             )
+        if available("NoiseScaleState"):
+            cases += _noise_scale_cases(acc)
     if available("freeze"):
         cases += _group_cases()
     if clip:
@@ -376,6 +378,40 @@ def update_cases() -> list[Case]:
 
 
 ACC_TRAFFIC = "buffer: read g, acc; write acc (3); apply_updates of zeros: read p, u; write p (3)"
+
+
+def _noise_scale_cases(acc: Callable[..., Any]) -> list[Case]:
+    """The micro-step with the noise-scale statistics, against the micro-step without them.
+
+    The statistics add |g|^2 to a scalar: the gradients the buffer reads
+    anyway, so the least traffic is the plain micro-step's.
+    """
+    on = functools.partial(acc, _adam(), MICRO_K, noise_scale=True)
+    cases = [
+        Case(
+            "gradtools.accumulate(adam, noise_scale) micro-step",
+            ("accumulate",),
+            6,
+            ACC_TRAFFIC + "; |g|^2: the g the buffer reads",
+            from_tx(on()),
+            baseline="gradtools.accumulate(adam) micro-step",
+            f32_words=2,
+        )
+    ]
+    if available("apply_gradients"):
+        cases.append(
+            Case(
+                "gradtools.apply_gradients(accumulate(adam, noise_scale)) micro-step",
+                ("accumulate",),
+                3,
+                "buffer: read g, acc; write acc (params untouched); |g|^2: the same g",
+                _apply_gradients(on()),
+                baseline="gradtools.apply_gradients(accumulate(adam)) micro-step",
+                f32_words=2,
+            )
+        )
+    return cases
+
 
 #: Half of the leaves (the even-numbered ones), by name.
 _HALF = r"w\d*[02468]$"

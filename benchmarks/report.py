@@ -46,37 +46,53 @@ def _paired(a: dict[str, Any], b: dict[str, Any]) -> float:
     return a["median_s"] / b["median_s"]
 
 
+#: The accumulate micro-step rows, through update and through apply_gradients.
+ACC = "gradtools.accumulate(adam) micro-step"
+ACC_FUSED = "gradtools.apply_gradients(accumulate(adam)) micro-step"
+
 #: (target, case, baseline case or None for the bandwidth bound, limit, at most?)
 UPDATE_TARGETS = (
     (
         "accumulate micro-step / its bandwidth bound (6 words, apply_updates included)",
-        "gradtools.accumulate*",
+        ACC,
         None,
         1.5,
     ),
     (
         "accumulate micro-step / read-add-write of the buffer alone (3 words)",
-        "gradtools.accumulate*",
+        ACC,
         "triad",
         1.5,
     ),
     (
         "accumulate micro-step / optax.MultiSteps micro-step",
-        "gradtools.accumulate*",
+        ACC,
         "optax.MultiSteps*",
         0.1,
     ),
     (
         "apply_gradients(accumulate) micro-step / its bandwidth bound (3 words)",
-        "gradtools.apply_gradients(accumulate*",
+        ACC_FUSED,
         None,
         1.5,
     ),
     (
         "apply_gradients(accumulate) micro-step / optax.MultiSteps micro-step",
-        "gradtools.apply_gradients(accumulate*",
+        ACC_FUSED,
         "optax.MultiSteps*",
         0.1,
+    ),
+    (
+        "accumulate(noise_scale) micro-step / accumulate micro-step",
+        "gradtools.accumulate(adam, noise_scale) micro-step",
+        ACC,
+        1.15,
+    ),
+    (
+        "apply_gradients(accumulate(noise_scale)) / apply_gradients(accumulate) micro-step",
+        "gradtools.apply_gradients(accumulate(adam, noise_scale)) micro-step",
+        ACC_FUSED,
+        1.15,
     ),
     (
         "dynamic_loss_scale(gradtools.clip+adam) / optax.clip+adam",

@@ -6,6 +6,7 @@ from typing import Any
 from gradtools import schedules
 from gradtools._version import __version__
 from gradtools.accumulate import AccumulateState
+from gradtools.accumulate import NoiseScaleState
 from gradtools.accumulate import accumulate
 from gradtools.clipping import ClipByGlobalNormState
 from gradtools.clipping import clip_by_global_norm
@@ -43,6 +44,7 @@ __all__ = [
     "FreezeState",
     "GroupNormsState",
     "LossScaleState",
+    "NoiseScaleState",
     "ParamGroupsState",
     "SpikeGuardState",
     "TrainState",

@@ -16,10 +16,15 @@ A micro-step does no optimizer work: the inner update runs under
 ``lax.cond`` only when a window closes. ``gradtools.apply_gradients(tx,
 grads, opt_state, params, weight=..., flush=...)`` does the update and the
 apply in one call, and its micro-step leaves the params untouched.
+
+``every_k`` may also be a schedule of the number of windows closed so far (a
+batch-size ramp), and ``noise_scale=True`` estimates the gradient noise scale
+from the windows' micro-batches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -29,11 +34,13 @@ import optax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _noise_scale
 from gradtools import _tree
 from gradtools import _tuning
+from gradtools._noise_scale import NoiseScaleState
 from gradtools.loss_scale import all_finite
 
-__all__ = ["AccumulateState", "accumulate"]
+__all__ = ["AccumulateState", "NoiseScaleState", "accumulate"]
 
 _ON_NONFINITE = ("propagate", "skip_microstep")
 
@@ -53,6 +60,13 @@ class AccumulateState(NamedTuple):
         discards (it holds what the last window left: its sum, or through
         ``update`` the updates it produced).
       inner_state: the state of the wrapped transformation.
+      windows_closed: with a scheduled ``every_k``, the windows closed so far
+        (by ``every_k`` or by ``flush``) that held at least one micro-step,
+        at which the schedule is evaluated; 0 with an int ``every_k``.
+      window_size: the length of the open window (of the next one between
+        windows): ``every_k``, or ``every_k(windows_closed)`` raised to 1.
+      noise_stats: a :class:`NoiseScaleState` with ``noise_scale=True``,
+        else ``()``.
     """
 
     micro_step: jax.Array  # shape=(), dtype=int32
@@ -60,6 +74,9 @@ class AccumulateState(NamedTuple):
     dropped_micro_steps: jax.Array  # shape=(), dtype=int32
     acc_grads: optax.Updates
     inner_state: optax.OptState
+    windows_closed: jax.Array  # shape=(), dtype=int32
+    window_size: jax.Array  # shape=(), dtype=int32
+    noise_stats: NoiseScaleState | tuple[()]
 
 
 def _micro_weight(weight: Any) -> jax.Array:
@@ -82,13 +99,28 @@ def _flush_flag(flush: Any) -> jax.Array:
     return flag
 
 
+def _scheduled_size(every_k: Callable[[jax.Array], Any], windows_closed: jax.Array) -> jax.Array:
+    """``every_k(windows_closed)`` as an int32 of at least 1."""
+    size = every_k(windows_closed)
+    if not _checks.numeric(size) or jnp.shape(size) != () or isinstance(size, (bool, float)):
+        raise ValueError(f"every_k(windows_closed) must return a scalar int, got {size!r}")
+    if not jnp.issubdtype(jnp.result_type(size), jnp.integer):
+        raise ValueError(
+            f"every_k(windows_closed) returned {jnp.result_type(size)}: return an int, "
+            "e.g. jnp.int32(...) or x.astype(jnp.int32)"
+        )
+    return jnp.maximum(jnp.asarray(size).astype(jnp.int32), 1)
+
+
 def accumulate(
     inner: optax.GradientTransformation,
-    every_k: int,
+    every_k: int | Callable[[jax.Array], Any],
     *,
     average: bool = True,
     dtype: Any = jnp.float32,
     on_nonfinite: str = "propagate",
+    noise_scale: bool = False,
+    noise_scale_decay: Any = 0.99,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` so that it steps once per window of ``every_k`` micro-batches.
 
@@ -100,33 +132,60 @@ def accumulate(
         acc_grads += w * grads; window_weight += w; micro_step += 1
       else:
         dropped_micro_steps += 1
-      if micro_step == every_k or flush:             # the window closes
+      if micro_step == window_size or flush:         # the window closes
         if window_weight > 0:
           g = acc_grads / window_weight if average else acc_grads
           updates, inner_state = inner.update(g, inner_state, params, **extra)
         acc_grads = 0; window_weight = 0; micro_step = 0
+        if callable(every_k):                        # window_size is every_k otherwise
+          windows_closed += 1                        # if the window held a micro-step
+          window_size = max(every_k(windows_closed), 1)
       otherwise updates = 0 and inner_state is unchanged
 
     ``acc_grads`` is kept in ``dtype`` and cleared by selection (never by
     multiplying with 0, which keeps a NaN). ``g`` reaches ``inner`` in the
-    params' dtypes (the gradients' without params). ``flush`` and ``weight``
-    may be traced: neither retraces. A zero weight still counts towards
-    ``every_k``; a window of total weight 0 is dropped. ``every_k=1`` is
-    exactly ``inner``: no buffer, the gradients go to it untouched (times
-    ``weight`` with ``average=False``). With ``"propagate"`` a non-finite
-    micro-step poisons its window: wrap ``accumulate(dynamic_loss_scale(inner),
-    k)`` to skip the window whole, or ``dynamic_loss_scale(accumulate(inner,
-    k))`` to drop only the overflowing micro-batch.
+    params' dtypes (the gradients' without params). ``flush``, ``weight`` and
+    a scheduled window's length may be traced: none retraces. A zero weight
+    still counts towards ``every_k``; a window of total weight 0 is dropped.
+    ``every_k=1`` is exactly ``inner``: no buffer, the gradients go to it
+    untouched (times ``weight`` with ``average=False``). With ``"propagate"``
+    a non-finite micro-step poisons its window: wrap
+    ``accumulate(dynamic_loss_scale(inner), k)`` to skip the window whole, or
+    ``dynamic_loss_scale(accumulate(inner, k))`` to drop only the overflowing
+    micro-batch.
+
+    A callable ``every_k`` gives each window's length from the number of
+    windows closed before it (``flush`` closes one too), as a batch-size ramp:
+    ``every_k=lambda n: jnp.where(n < 2, 2, 4)`` closes windows after 2, 2, 4,
+    4, ... micro-steps. ``metrics()`` reports the length as ``window_size``.
+
+    ``noise_scale=True`` estimates the gradient noise scale. A closed window of
+    ``n >= 2`` micro-batches, of weight ``b`` each and ``B = n * b`` in all,
+    gives, in float32, ``small = mean_i |g_i|^2``, ``big = |mean_i g_i|^2``, the
+    estimates ``G2 = (B * big - b * small) / (B - b)`` of ``|G|^2`` and ``S =
+    (small - big) / (1 / b - 1 / B)`` of ``tr(Sigma)``. ``metrics()`` reports
+    their moving averages (decay ``noise_scale_decay``, bias-corrected as in
+    Adam) as ``grad_sq_norm`` and ``grad_variance``, and ``noise_scale = S / G2``:
+    the batch size, in units of ``weight``, past which larger batches help
+    little. With unequal weights the means over ``i`` are weighted by them and
+    ``b = B / n``: the estimates stay unbiased if a micro-batch's gradient
+    noise is ``Sigma / weight`` (``weight`` its example count). A window whose
+    estimates are not finite is left out; put a loss scaler outside
+    ``accumulate``, so that they see unscaled gradients.
 
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``); extra
         keyword arguments of ``update`` are passed on to it.
-      every_k: micro-batches per window; an int >= 1.
+      every_k: micro-batches per window: an int >= 1, or a jit-able function of
+        the windows closed so far (an int32 array) that returns an int (values
+        below 1 count as 1).
       average: hand ``inner`` the weighted mean of the window (``True``) or
         the weighted sum (``False``).
       dtype: the floating dtype of ``acc_grads``; float32 keeps half-precision
         gradients from losing precision (or overflowing) as they are summed.
       on_nonfinite: ``"propagate"`` or ``"skip_microstep"``.
+      noise_scale: keep the gradient noise statistics (off: no work, no state).
+      noise_scale_decay: the decay of their moving averages, per window.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -135,12 +194,15 @@ def accumulate(
     Raises:
       TypeError: if ``inner`` is not a GradientTransformation; at trace time,
         for complex gradients.
-      ValueError: if ``every_k`` is not an int >= 1 or is traced (under
-        ``optax.inject_hyperparams`` pass ``static_args=('every_k', 'dtype')``),
-        ``average`` is not a bool, ``dtype`` is not a floating dtype or
-        ``on_nonfinite`` is unknown; at trace time, if ``weight`` is not a
-        real scalar, ``flush`` is not a scalar bool, or the gradients' tree
-        or leaf shapes differ from the params' or the buffer's.
+      ValueError: if ``every_k`` is neither an int >= 1 nor callable, or is
+        traced (under ``optax.inject_hyperparams`` pass
+        ``static_args=('every_k', 'dtype')``), ``average`` or ``noise_scale``
+        is not a bool, ``dtype`` is not a floating dtype, ``on_nonfinite`` is
+        unknown, ``noise_scale_decay`` is not in (0, 1), or ``noise_scale`` is
+        asked with ``every_k=1``; at trace time, if ``every_k(n)`` is not a
+        scalar int, ``weight`` is not a real scalar, ``flush`` is not a scalar
+        bool, or the gradients' tree or leaf shapes differ from the params' or
+        the buffer's.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -153,37 +215,61 @@ def accumulate(
       >>> u, state = tx.update({'w': jnp.array([3.0, 4.0])}, state, params)
       >>> u['w'], gradtools.metrics(state)['micro_step']
       (Array([-2., -3.], dtype=float32), Array(0, dtype=int32))
+      >>> ramp = gradtools.accumulate(optax.sgd(1.0), lambda n: jnp.where(n < 2, 2, 4))
+      >>> state = ramp.init(params)
+      >>> for _ in range(4):
+      ...     u, state = ramp.update({'w': jnp.ones(2)}, state, params)
+      >>> int(state.windows_closed), int(gradtools.metrics(state)['window_size'])
+      (2, 4)
 
     References:
       Goyal et al., `Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour
-      <https://arxiv.org/abs/1706.02677>`_, 2017. ``optax.MultiSteps``;
-      MindSpore's gradient accumulation with ``accu_overflow``.
+      <https://arxiv.org/abs/1706.02677>`_, 2017. McCandlish et al., `An
+      Empirical Model of Large-Batch Training <https://arxiv.org/abs/1812.06162>`_,
+      2018. ``optax.MultiSteps`` (``every_k_schedule``); MindSpore's gradient
+      accumulation with ``accu_overflow``.
     """
     _checks.is_transform("inner", inner)
-    _checks.static("every_k", every_k, "it decides the structure of the state")
-    _checks.positive_int("every_k", every_k)
+    schedule = every_k if callable(every_k) else None
+    if schedule is None:
+        _checks.static("every_k", every_k, "it decides the structure of the state")
+        _checks.positive_int("every_k", every_k)
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)
     _checks.one_of("on_nonfinite", on_nonfinite, _ON_NONFINITE)
+    _checks.is_bool("noise_scale", noise_scale)
+    _checks.in_open_interval("noise_scale_decay", noise_scale_decay, 0.0, 1.0)
+    decay = noise_scale_decay
+    k = 0 if schedule is not None else int(every_k)  # pyright: ignore[reportArgumentType]
+    if noise_scale and k == 1:
+        raise ValueError("noise_scale=True needs windows of 2 or more micro-batches: every_k=1")
     inner = optax.with_extra_args_support(inner)
-    every_k = int(every_k)
     dtype = jnp.dtype(dtype)
     skip_nonfinite = on_nonfinite == "skip_microstep"
 
+    def size(windows_closed):
+        """The length of the window opened after ``windows_closed`` windows."""
+        if schedule is None:
+            return jnp.full([], k, jnp.int32)
+        return _scheduled_size(schedule, windows_closed)
+
     def init_fn(params):
         # zeros_like: laid out like the param, as optax lays out its moments
-        buffer = () if every_k == 1 else jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params)
+        buffer = () if k == 1 else jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params)
         return AccumulateState(
             micro_step=jnp.zeros([], jnp.int32),
             window_weight=jnp.zeros([], jnp.float32),
             dropped_micro_steps=jnp.zeros([], jnp.int32),
             acc_grads=buffer,
             inner_state=inner.init(params),
+            windows_closed=jnp.zeros([], jnp.int32),
+            window_size=size(jnp.zeros([], jnp.int32)),
+            noise_stats=_noise_scale.init() if noise_scale else (),
         )
 
     def add(state, grads, w, take):
         """The window after this micro-step; the first micro-step of a window starts from 0."""
-        if every_k == 1:  # no buffer: the window is this micro-batch
+        if k == 1:  # no buffer: the window is this micro-batch
             return grads if average else _tree.scale_f32(grads, w)
         is_open, zero = state.micro_step > 0, jnp.zeros([], dtype)
         return jax.tree.map(
@@ -195,6 +281,25 @@ def accumulate(
             grads,
         )
 
+    def after(state, closes, micro_step, window_weight, finite, window, inner_state, noise):
+        """The state after this micro-step: a window that closes makes way for the next."""
+        windows_closed, window_size = state.windows_closed, state.window_size
+        if schedule is not None:  # an int every_k needs no count (nor its kernel on a GPU)
+            closed = closes & (micro_step > 0)  # it held a micro-step
+            n = windows_closed
+            windows_closed = jnp.where(closed, optax.safe_increment(n), n).astype(jnp.int32)
+            window_size = jnp.where(closes, size(windows_closed), window_size)
+        return AccumulateState(
+            micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
+            window_weight=jnp.where(closes, jnp.zeros([], jnp.float32), window_weight),
+            dropped_micro_steps=state.dropped_micro_steps + (~finite).astype(jnp.int32),
+            acc_grads=window if k != 1 else (),
+            inner_state=inner_state,
+            windows_closed=windows_closed,
+            window_size=window_size,
+            noise_stats=_noise_scale.clear(noise, closes) if noise_scale else (),
+        )
+
     def step(grads, state, params, extra_args, fused):
         _checks.state_of("accumulate", state, AccumulateState)
         extra_args = dict(extra_args)  # weight and flush are accumulate's, the rest inner's
@@ -202,7 +307,7 @@ def accumulate(
         flush = _flush_flag(extra_args.pop("flush", False))
         _checks.real_leaves("accumulate", "updates", grads)
         _checks.check_like("accumulate", grads, params)
-        if every_k > 1:
+        if k != 1:
             _checks.check_like("accumulate", grads, state.acc_grads, "acc_grads (from init)")
         finite = all_finite(grads) if skip_nonfinite else jnp.array(True)
         take = finite & (w > 0)  # the micro-batch's gradients enter the window
@@ -211,33 +316,37 @@ def accumulate(
         window = add(state, grads, w, take)
         micro_step = state.micro_step + finite.astype(jnp.int32)
         window_weight = state.window_weight + jnp.where(take, w, jnp.zeros([], jnp.float32))
-        closes = (micro_step >= every_k) | flush
+        closes = (micro_step >= (k if schedule is None else state.window_size)) | flush
+        noise = state.noise_stats
+        if noise_scale:
+            noise = _noise_scale.add(noise, _noise_scale.sq_norm(grads), w, take)
 
         # If the window closes (and holds any weight), step the optimizer on its mean.
         like = grads if params is None else params
 
         def close(window):
-            mean = window  # every_k=1: the micro-batch as it came
-            if every_k > 1:
+            mean = exact = window  # every_k=1: the micro-batch as it came
+            if k != 1:
                 div = (window_weight if average else jnp.ones([], jnp.float32)).astype(dtype)
-                mean = jax.tree.map(lambda a, p: (a / div).astype(jnp.result_type(p)), window, like)
-            return _apply.step(inner, mean, state.inner_state, params, extra_args, fused)
+                exact = jax.tree.map(lambda a: a / div, window)  # in dtype
+                mean = jax.tree.map(lambda m, p: m.astype(jnp.result_type(p)), exact, like)
+            out, stepped = _apply.step(inner, mean, state.inner_state, params, extra_args, fused)
+            if not noise_scale:
+                return out, stepped
+            # |mean_i g_i|^2 from the mean inner is given (before its cast to the params'
+            # dtypes), not from the buffer: a second read of the buffer in this branch
+            # makes XLA:CPU copy the buffer on every micro-step.
+            big = _noise_scale.sq_norm(exact) / (1 if average else window_weight * window_weight)
+            return out, (stepped, _noise_scale.close(noise, big, window_weight, decay))
 
+        carry = (state.inner_state, noise) if noise_scale else state.inner_state
         emits = closes & (window_weight > 0)
-        if fused or every_k == 1:
-            out, inner_state = _apply.step_or_skip(
-                emits, close, window, fused, params, state.inner_state
-            )
+        if fused or k == 1:
+            out, carry = _apply.step_or_skip(emits, close, window, fused, params, carry)
         else:
-            out, window, inner_state = _tuning.cond_through_buffer(
-                emits, close, window, state.inner_state
-            )
-        return out, AccumulateState(
-            micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
-            window_weight=jnp.where(closes, jnp.zeros([], jnp.float32), window_weight),
-            dropped_micro_steps=state.dropped_micro_steps + (~finite).astype(jnp.int32),
-            acc_grads=window if every_k > 1 else (),
-            inner_state=inner_state,
-        )
+            out, window, carry = _tuning.cond_through_buffer(emits, close, window, carry)
+        if noise_scale:
+            carry, noise = carry
+        return out, after(state, closes, micro_step, window_weight, finite, window, carry, noise)
 
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradtools import _noise_scale
 from gradtools.naming import path_names
 
 __all__ = ["metrics", "nonfinite_leaves"]
@@ -32,6 +33,7 @@ _SOURCES = (
     ("grad_norm", "ClipByGlobalNormState", "grad_norm"),
     ("micro_step", "AccumulateState", "micro_step"),
     ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
+    ("window_size", "AccumulateState", "window_size"),
 )
 # The state of optax.inject_hyperparams (optax's InjectHyperparamsState is no
 # longer produced by it).
@@ -64,6 +66,14 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     micro_step           ``accumulate``: micro-batches in the open window     int32
     dropped_micro_steps  ``accumulate``: non-finite micro-batches dropped     int32
                          (``on_nonfinite='skip_microstep'``)
+    window_size          ``accumulate``: the open window's length             int32
+                         (``every_k``, or what its schedule gave)
+    noise_scale          ``accumulate(noise_scale=True)``: the gradient noise float32
+                         scale ``grad_variance / grad_sq_norm``, in units of
+                         ``weight`` (0 before the first estimate)
+    grad_sq_norm         the same: the bias-corrected average of the          float32
+                         estimates of ``|G|^2``
+    grad_variance        the same: of the estimates of ``tr(Sigma)``          float32
     learning_rate        ``optax.inject_hyperparams(...)(learning_rate=...)`` float32
     spikes               ``spike_guard``: steps clipped or skipped as spikes  int32
     norm_mean            ``spike_guard``: running mean of the gradient norm   float32
@@ -117,6 +127,9 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     if found:
         for label, norm in found[0][1].group_grad_norms.items():
             out[f"grad_norm/{label}"] = jnp.asarray(norm)
+    found = optax.tree.get_all_with_path(opt_state, "NoiseScaleState")
+    if found:
+        out.update(_noise_scale.report(found[0][1]))
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:

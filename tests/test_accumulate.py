@@ -378,6 +378,11 @@ def test_every_k_1_skip_rules():
         ({"every_k": 2, "average": "yes"}, "average"),
         ({"every_k": 2, "dtype": jnp.int32}, "dtype"),
         ({"every_k": 2, "dtype": None}, "dtype"),
+        ({"every_k": "2"}, "every_k"),
+        ({"every_k": 2, "noise_scale": 1}, "noise_scale"),
+        ({"every_k": 2, "noise_scale": True, "noise_scale_decay": 1.0}, "noise_scale_decay"),
+        ({"every_k": 2, "noise_scale_decay": 0.0}, "noise_scale_decay"),
+        ({"every_k": 1, "noise_scale": True}, "every_k=1"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
@@ -438,3 +443,169 @@ def test_sharded_params_keep_their_sharding():
         u, state = update(jax.tree.map(jnp.ones_like, params), state, params)
         for x in (u["w"], state.acc_grads["w"], state.inner_state[0].mu["w"]):
             assert x.sharding.is_equivalent_to(sharding, 1)
+
+
+# --- every_k as a schedule of the windows closed so far ---------------------------------
+
+
+def ramp(n):
+    """2, 2, then 4 micro-batches per window (issue 28's example), traced."""
+    return jnp.where(n < 2, 2, 4)
+
+
+def np_ramp(n):
+    return 2 if n < 2 else 4
+
+
+def np_scheduled_run(p0, grads, weights, flushes, schedule, lr):
+    """Plain SGD on the weighted mean of each window, windows as long as ``schedule`` says."""
+    p, closed, params = np.asarray(p0, np.float64), 0, []
+    acc, total, m = 0.0, 0.0, 0
+    for g, w, f in zip(grads, weights, flushes):
+        acc, total, m = acc + w * np.asarray(g, np.float64), total + w, m + 1
+        if m == max(schedule(closed), 1) or f:
+            p = p - lr * acc / total if total > 0 else p
+            closed, acc, total, m = closed + 1, 0.0, 0.0, 0
+        params.append(p)
+    return params, closed
+
+
+def scheduled_run(tx, p0, grads, weights, flushes, fused, restore_at=None):
+    """Params after every micro-step; the state goes through flax bytes at ``restore_at``."""
+    import flax.serialization
+
+    def step(p, s, g, w, f):
+        if fused:
+            return gradtools.apply_gradients(tx, g, s, p, weight=w, flush=f)
+        u, s = tx.update(g, s, p, weight=w, flush=f)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    p, s, out = jnp.asarray(p0), tx.init(jnp.asarray(p0)), []
+    for i, (g, w, f) in enumerate(zip(grads, weights, flushes)):
+        if i == restore_at:
+            s = flax.serialization.from_bytes(tx.init(p), flax.serialization.to_bytes(s))
+        p, s = step(p, s, g, jnp.float32(w), jnp.asarray(f))
+        out.append(p)
+    return out, s
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_scheduled_windows_match_numpy_with_weights_flush_and_a_restored_checkpoint(fused):
+    n = 21
+    grads = [jnp.asarray(RNG.normal(size=3), jnp.float32) for _ in range(n)]
+    weights = [float(w) for w in RNG.integers(1, 9, size=n)]
+    flushes = [i == 6 for i in range(n)]  # closes the 4-window after 3 micro-batches
+    tx = gradtools.accumulate(optax.sgd(0.5), ramp)
+    want, closed = np_scheduled_run(W0, grads, weights, flushes, np_ramp, 0.5)
+    got, state = scheduled_run(tx, W0, grads, weights, flushes, fused)
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6, atol=1e-7)
+    # windows of 2, 2, then 3 cut by the flush, then 4, 4, 4 and 2 still open
+    assert closed == int(state.windows_closed) == 6
+    assert int(state.micro_step) == 2 and int(state.window_size) == 4
+    # A checkpoint restored in the middle of the 4-window after the flush goes on bit for bit.
+    resumed, resumed_state = scheduled_run(tx, W0, grads, weights, flushes, fused, restore_at=9)
+    chex.assert_trees_all_equal(resumed, got)
+    chex.assert_trees_all_equal(resumed_state, state)
+
+
+def test_schedule_below_one_counts_as_one_and_window_size_is_reported():
+    schedule = lambda n: jnp.where(n < 2, n - 1, 3)  # -1, 0, then 3  # noqa: E731
+    tx = gradtools.accumulate(optax.sgd(1.0), schedule)
+    g = [jnp.array([float(i)]) for i in range(1, 8)]
+    outs, state = updates_and_state(tx, jnp.zeros(1), g)
+    applied = [i for i, o in enumerate(outs) if np.any(o)]
+    assert applied == [0, 1, 4]  # windows of 1, 1, 3; two micro-batches still open
+    np.testing.assert_allclose(outs[4], [-4.0])  # the mean of 3, 4 and 5
+    m = gradtools.metrics(state)
+    assert int(m["window_size"]) == 3 and m["window_size"].dtype == jnp.int32
+    assert int(m["micro_step"]) == 2
+
+
+def test_a_constant_schedule_is_bit_identical_to_the_int():
+    params = {"w": jnp.asarray(W0), "b": jnp.zeros((2, 2), jnp.bfloat16)}
+    grads = [
+        jax.tree.map(lambda p: jnp.asarray(RNG.normal(size=p.shape), p.dtype), params)
+        for _ in range(7)
+    ]
+    flush = [jnp.asarray(i == 4) for i in range(7)]
+    fixed = gradtools.accumulate(optax.adam(1e-2), 3)
+    scheduled = gradtools.accumulate(optax.adam(1e-2), lambda n: jnp.int32(3))
+    ref_u, ref_state = updates_and_state(fixed, params, grads, flush=flush)
+    got_u, got_state = updates_and_state(scheduled, params, grads, flush=flush)
+    chex.assert_trees_all_equal(got_u, ref_u, strict=True)
+    # Only the schedule needs the count of windows closed; an int keeps it at 0.
+    assert (int(got_state.windows_closed), int(ref_state.windows_closed)) == (2, 0)
+    chex.assert_trees_all_equal(
+        got_state._replace(windows_closed=ref_state.windows_closed), ref_state, strict=True
+    )
+    assert int(ref_state.window_size) == 3
+
+
+def test_no_retrace_when_the_scheduled_length_changes():
+    tx = gradtools.accumulate(optax.adam(1e-3), lambda n: jnp.minimum(n + 1, 4))
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, state, g):
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    params, sizes, applied = jnp.zeros(2), [], []
+    state = tx.init(params)
+    for _ in range(14):
+        before = params
+        params, state = step(params, state, jnp.ones(2))
+        sizes.append(int(gradtools.metrics(state)["window_size"]))
+        applied.append(bool(np.any(params != before)))
+    assert [i for i, a in enumerate(applied) if a] == [0, 2, 5, 9, 13]  # 1, 2, 3, 4, 4
+    assert sizes == [2, 2, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4]
+
+
+def test_scheduled_windows_under_scan_equal_the_python_loop():
+    tx = gradtools.accumulate(optax.sgd(0.1, momentum=0.9), ramp)
+    grads = jnp.asarray(RNG.normal(size=(15, 3)), jnp.float32)
+    params = jnp.asarray(W0)
+    loop, state = updates_and_state(tx, params, list(grads))
+
+    def body(state, g):
+        u, state = tx.update(g, state, params)
+        return state, u
+
+    scan_state, scanned = jax.jit(lambda s: jax.lax.scan(body, s, grads))(tx.init(params))
+    np.testing.assert_allclose(scanned, np.stack(loop), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_equal_structs(scan_state, tx.init(params))
+    assert int(scan_state.windows_closed) == int(state.windows_closed) == 4
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_schedule_matches_optax_multisteps(momentum):
+    inner = lambda: optax.sgd(0.1, momentum=momentum)  # noqa: E731
+    schedule = lambda n: jnp.where(n < 3, 2, jnp.where(n < 5, 3, 5))  # noqa: E731
+    ours = gradtools.accumulate(inner(), schedule)
+    theirs = optax.MultiSteps(inner(), every_k_schedule=schedule).gradient_transformation()
+    grads = [jnp.asarray(RNG.normal(size=3), jnp.float32) for _ in range(30)]
+    params = {}
+    for name, tx in (("ours", ours), ("theirs", theirs)):
+        update, p = jax.jit(tx.update), jnp.asarray(W0)
+        state, params[name] = tx.init(p), []
+        for g in grads:
+            u, state = update(g, state, p)
+            p = optax.apply_updates(p, u)
+            params[name].append(p)
+    # optax keeps a running mean, gradtools a sum divided once: float32 rounding apart
+    np.testing.assert_allclose(np.stack(params["ours"]), np.stack(params["theirs"]), rtol=1e-6)
+    steps = np.stack([W0, *params["ours"]])
+    changed = [i for i in range(30) if np.any(steps[i + 1] != steps[i])]
+    assert changed == [1, 3, 5, 8, 11, 16, 21, 26]  # windows of 2, 2, 2, 3, 3, 5, 5, 5
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [lambda n: 2.0, lambda n: n * 1.0 + 1, lambda n: jnp.full(2, 3), lambda n: True, lambda n: "4"],
+    ids=["float", "float-array", "vector", "bool", "str"],
+)
+def test_a_schedule_that_gives_no_scalar_int_is_a_value_error(schedule):
+    tx = gradtools.accumulate(optax.sgd(0.1), schedule)
+    with pytest.raises(ValueError, match=r"every_k\(windows_closed\)"):
+        tx.init(jnp.zeros(2))

@@ -152,6 +152,38 @@ def test_lenet_target_is_the_median_per_round_throughput_ratio():
     assert target["value"] == pytest.approx(0.9) and not target["pass"]
 
 
+def _micro_step_run(samples):
+    """Accumulate micro-step rows of one 16M-param group, with the given seconds per round."""
+
+    def row(case, samples_s):
+        return {"params": 16 << 20, "leaves": 8, "group": "accumulate", "case": case,
+                "samples_s": samples_s, "median_s": sorted(samples_s)[len(samples_s) // 2],
+                "x_bound": 1.0, "words": 6}  # fmt: skip
+
+    return {"update": [row(case, s) for case, s in samples.items()]}
+
+
+def test_noise_scale_targets_are_the_median_per_round_ratio_to_the_micro_step():
+    plain, fused = report.ACC, report.ACC_FUSED
+    noisy = "gradtools.accumulate(adam, noise_scale) micro-step"
+    noisy_fused = "gradtools.apply_gradients(accumulate(adam, noise_scale)) micro-step"
+    # Per round: 1.1, 1.3, 1.05 (median 1.1, within 1.15); fused 1.2, 1.25, 1.0 (1.2, over).
+    run = _micro_step_run({plain: [1.0, 1.0, 2.0], noisy: [1.1, 1.3, 2.1],
+                           fused: [1.0, 2.0, 1.0], noisy_fused: [1.2, 2.5, 1.0]})  # fmt: skip
+    found = {t["target"]: t for t in report.targets(run)}
+    on = found["accumulate(noise_scale) micro-step / accumulate micro-step"]
+    assert (on["where"], on["limit"], on["at_most"]) == ("16M params, 8 leaves", 1.15, True)
+    assert on["value"] == pytest.approx(1.1) and on["pass"]
+    on_fused = found[
+        "apply_gradients(accumulate(noise_scale)) / apply_gradients(accumulate) micro-step"
+    ]
+    assert on_fused["value"] == pytest.approx(1.2) and not on_fused["pass"]
+    # The micro-step's own targets see the micro-step rows only, not the noise-scale ones.
+    assert [t["target"] for t in report.targets(run)].count(
+        "accumulate micro-step / its bandwidth bound (6 words, apply_updates included)"
+    ) == 1
+
+
 def test_lenet_compares_with_pytorch_on_a_gpu_only():
     found = report.targets(_lenet_run("gpu", [1.0], [1.0], x_torch=4.5))
     assert [(t["target"], t["value"]) for t in found] == [
@@ -224,7 +256,7 @@ def test_report_renders_every_section_and_checks_targets(results):
 def test_command_line_writes_the_report_and_json(tmp_path):
     out, data = tmp_path / "r.md", tmp_path / "r.json"
     argv = ["--quick", "--sections", "memory", "--memory-size", "1K", "--match",
-            "^gradtools.accumulate", "--out", str(out), "--json", str(data)]  # fmt: skip
+            r"^gradtools.accumulate\(adam\)", "--out", str(out), "--json", str(data)]  # fmt: skip
     cli.main(argv)
     assert out.read_text().startswith("# Benchmark results")
     rows = json.loads(data.read_text())["memory"]

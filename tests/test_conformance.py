@@ -35,6 +35,11 @@ def sgd_warmup_exponential_decay(learning_rate, decay_rate, decay_steps, warmup_
     return optax.sgd(schedules.with_warmup(schedule, warmup_steps), momentum=0.9)
 
 
+def one_then_two(windows_closed):
+    """A scheduled ``every_k``: a window of 1 micro-batch, then windows of 2."""
+    return jnp.where(windows_closed < 1, 1, 2)
+
+
 GROUP_RULES = [(r"^dense/", optax.sgd(0.1, momentum=0.9)), (r"^head", gradtools.frozen())]
 GUARDED_CLIP = optax.chain(gradtools.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
 NORM_GROUPS = [(r"^dense/", "dense"), (r"^emb", "emb")]  # head: "other"
@@ -65,6 +70,16 @@ TRANSFORMS = [
         "accumulate_skip_microstep",
         gradtools.accumulate,
         dict(inner=optax.sgd(0.1), every_k=3, average=False, on_nonfinite="skip_microstep"),
+    ),
+    (
+        "accumulate_scheduled",
+        gradtools.accumulate,
+        dict(inner=optax.sgd(0.1, momentum=0.9), every_k=one_then_two),
+    ),
+    (
+        "accumulate_noise_scale",
+        gradtools.accumulate,
+        dict(inner=optax.adam(0.1), every_k=2, noise_scale=True),
     ),
     ("clip_by_global_norm", gradtools.clip_by_global_norm, dict(max_norm=1.0)),
     ("param_groups", gradtools.param_groups, dict(rules=GROUP_RULES, default=optax.adam(0.1))),

@@ -363,6 +363,9 @@ _TRANSFORMS = {
     "dynamic(accumulate(adam, 2))": lambda: gradtools.dynamic_loss_scale(
         gradtools.accumulate(optax.adam(1e-2), 2), init_scale=64.0
     ),
+    "dynamic(accumulate(adam, 2, noise_scale))": lambda: gradtools.dynamic_loss_scale(
+        gradtools.accumulate(optax.adam(1e-2), 2, noise_scale=True), init_scale=64.0
+    ),
     "dynamic(inject_hyperparams(adam))": lambda: gradtools.dynamic_loss_scale(
         optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), init_scale=64.0
     ),
@@ -392,6 +395,7 @@ _SKIPPING = {
     "dynamic(clip+adam)",
     "fixed(sgd momentum)",
     "dynamic(accumulate(adam, 2))",
+    "dynamic(accumulate(adam, 2, noise_scale))",
     "dynamic(inject_hyperparams(adam))",
     "freeze(dynamic(clip+adam))",
     "param_groups(frozen, default=dynamic(accumulate(adam, 2)))",
