@@ -2,7 +2,7 @@
 
 With them every MindSpore ``nn.dynamic_lr`` list function is
 ``to_list(per_epoch(schedule, steps_per_epoch), total_steps)`` of a
-:mod:`gradtools.schedules` formula. They are importable from
+``gradtools.schedules`` formula. They are importable from
 ``gradtools.schedules`` too.
 """
 
@@ -42,7 +42,7 @@ def with_warmup(
     ``warmup_lr(schedule(0), warmup_steps, 1, warmup_steps)``.
 
     Args:
-      schedule: any schedule (``step -> value``), e.g. :func:`cosine_decay`.
+      schedule: any schedule (``step -> value``), e.g. ``cosine_decay``.
       warmup_steps: an int >= 1.
       init_value: the value at step 0; finite, >= 0.
 

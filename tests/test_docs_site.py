@@ -153,6 +153,7 @@ def _build_copy(tmp_path: pathlib.Path, edit) -> subprocess.CompletedProcess:
     shutil.copytree(ROOT / "docs", root / "docs")
     shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
     (root / "gradtools").symlink_to(ROOT / "gradtools", target_is_directory=True)
+    (root / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)  # included
     edit(root / "docs")
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
