@@ -30,7 +30,6 @@ _SOURCES = (
     ("skipped_steps", "LossScaleState", "skipped_steps"),
     ("finite", "LossScaleState", "finite"),
     ("nonfinite_updates", "LossScaleState", "nonfinite_updates"),
-    ("grad_norm", "ClipByGlobalNormState", "grad_norm"),
     ("micro_step", "AccumulateState", "micro_step"),
     ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
     ("window_size", "AccumulateState", "window_size"),
