@@ -49,14 +49,7 @@ class Update:
         return self.step(grads, state, params, extra_args, True)
 
 
-def step(
-    tx: optax.GradientTransformation,
-    grads: Any,
-    state: Any,
-    params: Any,
-    extra_args: dict[str, Any],
-    fused: bool,
-) -> tuple[Any, Any]:
+def step(tx: optax.GradientTransformation, grads, state, params, extra_args: dict, fused: bool):
     """One step of ``tx``: ``(updates, state)``, or fused ``(params, state)``.
 
     Fused, it takes ``tx``'s update-and-apply form where ``tx.update`` is an
@@ -93,9 +86,7 @@ def cond(pred: jax.Array, run: Callable[..., Any], skip: Callable[..., Any], *op
     return lax.cond(pred, first, second, *operands)
 
 
-def step_or_skip(
-    pred: jax.Array, run: Callable[[Any], Any], operand: Any, fused: bool, params: Any, state: Any
-) -> tuple[Any, Any]:
+def step_or_skip(pred: jax.Array, run: Callable, operand, fused: bool, params, state):
     """``run(operand)`` where ``pred`` holds, else no optimizer work.
 
     ``run`` returns ``(updates, new_state)``, or fused ``(new_params,

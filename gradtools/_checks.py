@@ -45,6 +45,7 @@ __all__ = [
     "state_of",
     "regex",
     "scale_bound",
+    "scale_bounds",
     "static",
     "traced",
 ]
@@ -145,6 +146,22 @@ def scale_bound(name: str, value: Any) -> None:
         f"at most 2**126 (~{high:.3g}): its float32 reciprocal, which unscales the"
         " gradients, would be subnormal, and XLA flushes it to zero, zeroing every gradient",
     )
+
+
+def scale_bounds(*, init_scale: Any, min_scale: Any, max_scale: Any) -> None:
+    """Checks each with :func:`scale_bound`, and ``min_scale <= init_scale <= max_scale``."""
+    for name, value in (
+        ("init_scale", init_scale),
+        ("min_scale", min_scale),
+        ("max_scale", max_scale),
+    ):
+        scale_bound(name, value)
+    if any(traced(v) for v in (init_scale, min_scale, max_scale)):
+        return
+    if float(min_scale) > float(init_scale):
+        raise ValueError(f"{min_scale=} must be <= {init_scale=}")
+    if float(max_scale) < float(init_scale):
+        raise ValueError(f"{max_scale=} must be >= {init_scale=}")
 
 
 def positive_int(name: str, value: Any) -> None:

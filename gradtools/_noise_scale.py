@@ -51,7 +51,7 @@ def init() -> NoiseScaleState:
 def sq_norm(tree: Any) -> jax.Array:
     """``sum(|x|^2)`` over every leaf of ``tree``, in float32."""
     sums = [jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return _tuning.reduce_scalars(sums, jnp.sum) if sums else jnp.zeros([], jnp.float32)
+    return jnp.sum(_tuning.stack_scalars(sums)) if sums else jnp.zeros([], jnp.float32)
 
 
 def add(state: NoiseScaleState, g_sq_norm: jax.Array, w: jax.Array, take: jax.Array):

@@ -77,11 +77,13 @@ def match_types(tree: Any, types: Any) -> Any:
     mesh axes the gradients vary over. Marking a value as varying moves no data.
     """
 
+    def varying(aval: Any) -> frozenset[Any]:
+        manual = getattr(aval, "manual_axis_type", None)  # newer jax; older jax keeps vma
+        return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
+
     def one(x: Any, like: Any) -> Any:
-        x = jnp.asarray(x)  # an optax state may hold a Python number
-        if jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
-            x = x.astype(like.dtype)
-        missing = tuple(_varying(like) - _varying(jax.typeof(x)))
+        x = jnp.asarray(x).astype(like.dtype)  # an optax state may hold a Python number
+        missing = tuple(varying(like) - varying(jax.typeof(x)))
         if not missing:
             return x
         if hasattr(jax.lax, "pcast"):  # it replaced pvary in jax 0.8.2
@@ -89,11 +91,3 @@ def match_types(tree: Any, types: Any) -> Any:
         return jax.lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
 
     return jax.tree.map(one, tree, types)
-
-
-def _varying(aval: Any) -> frozenset[Any]:
-    """The mesh axes an abstract value varies over inside ``jax.shard_map``."""
-    manual = getattr(aval, "manual_axis_type", None)  # newer jax
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", None) or ())  # older jax

@@ -20,11 +20,10 @@ __all__ = [
     "cond_through_buffer",
     "distinct_scalars",
     "leaf_finite",
-    "reduce_scalars",
     "stack_scalars",
 ]
 
-_FAN_IN = 32  # scalars combined by one fusion in reduce_scalars
+_FAN_IN = 32  # scalars stacked by one fusion in stack_scalars
 
 
 def leaf_finite(x: jax.Array) -> jax.Array:
@@ -46,25 +45,19 @@ def checked_square_sum(x: jax.Array) -> jax.Array:
     return jnp.sum(z * z)
 
 
-def reduce_scalars(scalars: list[jax.Array], reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """``reduce(jnp.stack(scalars))``, combined 32 at a time to keep XLA's compile time linear.
-
-    A barrier between the levels stops XLA from fusing them back into one
-    kernel with one input per leaf, whose compile time grows faster than
-    linearly. For sums the order of the float32 additions differs.
-    """
-    while len(scalars) > _FAN_IN:
-        groups = [scalars[i : i + _FAN_IN] for i in range(0, len(scalars), _FAN_IN)]
-        scalars = list(jax.lax.optimization_barrier([reduce(jnp.stack(g)) for g in groups]))
-    return reduce(jnp.stack(scalars))
-
-
 def stack_scalars(scalars: list[jax.Array]) -> jax.Array:
-    """``jnp.stack(scalars)``, stacked 32 at a time behind a barrier, as :func:`reduce_scalars`."""
-    if len(scalars) <= _FAN_IN:
-        return jnp.stack(scalars)
+    """``jnp.stack(scalars)``, built 32 at a time to keep XLA's compile time linear in their number.
+
+    A barrier between the levels stops XLA from fusing them, and any
+    reduction that follows, into one kernel with one input per leaf, whose
+    compile time grows faster than linearly. Reduce the result to combine
+    per-leaf scalars: ``jnp.sum(stack_scalars(sums))``.
+    """
     parts = [jnp.stack(scalars[i : i + _FAN_IN]) for i in range(0, len(scalars), _FAN_IN)]
-    return jnp.concatenate(list(jax.lax.optimization_barrier(parts)))
+    while len(parts) > 1:
+        parts = list(jax.lax.optimization_barrier(parts))
+        parts = [jnp.concatenate(parts[i : i + _FAN_IN]) for i in range(0, len(parts), _FAN_IN)]
+    return parts[0]
 
 
 def cond_through_buffer(

@@ -70,11 +70,11 @@ def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
     """The p-norm of all leaves for a Python float ``p``."""
     mags = _magnitudes(leaves)
     if p == 2:
-        return jnp.sqrt(_tuning.reduce_scalars([jnp.sum(m * m) for m in mags], jnp.sum))
+        return jnp.sqrt(jnp.sum(_tuning.stack_scalars([jnp.sum(m * m) for m in mags])))
     if p == math.inf:
-        return _tuning.reduce_scalars([jnp.max(m, initial=0.0) for m in mags], jnp.max)
+        return jnp.max(_tuning.stack_scalars([jnp.max(m, initial=0.0) for m in mags]))
     if p == 1:
-        return _tuning.reduce_scalars([jnp.sum(m) for m in mags], jnp.sum)
+        return jnp.sum(_tuning.stack_scalars([jnp.sum(m) for m in mags]))
     return _scaled_norm(leaves, p)
 
 
@@ -84,7 +84,7 @@ def _scaled_norm(leaves: list[jax.Array], p: Any) -> jax.Array:
     big = _fixed_norm(leaves, math.inf)
     unit = jnp.where(jnp.isfinite(big) & (big > 0), big, jnp.ones([], jnp.float32))
     s, divisor = _tree.split_divisor(unit)
-    total = _tuning.reduce_scalars([jnp.sum((m * s / divisor) ** p) for m in mags], jnp.sum)
+    total = jnp.sum(_tuning.stack_scalars([jnp.sum((m * s / divisor) ** p) for m in mags]))
     return unit * total ** (1.0 / p)
 
 
@@ -210,7 +210,7 @@ def clip_by_global_norm(
         del state, params, extra_args
         _checks.real_leaves("clip_by_global_norm", "updates", updates, floating=True)
         if isinstance(p, float) and p == 2 and square_sums is not None:  # summed by a loss scaler
-            norm = jnp.sqrt(_tuning.reduce_scalars(_known(updates, *square_sums), jnp.sum))
+            norm = jnp.sqrt(jnp.sum(_tuning.stack_scalars(_known(updates, *square_sums))))
         else:
             norm = _global_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)

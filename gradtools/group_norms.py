@@ -132,7 +132,7 @@ def group_norms(
         norms = {}
         for label, xs in groups.items():
             if isinstance(p, float) and p == 2 and square_sums is not None:  # from a loss scaler
-                norms[label] = jnp.sqrt(_tuning.reduce_scalars(_known(xs, *square_sums), jnp.sum))
+                norms[label] = jnp.sqrt(jnp.sum(_tuning.stack_scalars(_known(xs, *square_sums))))
             else:
                 norms[label] = _global_norm(xs, p)
         return updates, GroupNormsState(norms)

@@ -23,7 +23,6 @@ that computes them, so XLA stores no parameter-sized buffer for them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
@@ -92,92 +91,64 @@ def all_finite(tree: Any) -> jax.Array:
     """
     leaves = _checks.numeric_leaves("all_finite", "tree", tree)
     flags = [_tuning.leaf_finite(jnp.asarray(x)) for x in leaves]
-    return _tuning.reduce_scalars(flags, jnp.all) if flags else jnp.array(True)
+    return jnp.all(_tuning.stack_scalars(flags)) if flags else jnp.array(True)
 
 
 def _unscale(grads: Any, inv_scale: jax.Array, params: Any) -> Any:
     """``grads * inv_scale`` in float32, cast to each param's dtype (float32 without params)."""
     leaves, treedef = jax.tree.flatten(grads)
-    like = leaves if params is None else treedef.flatten_up_to(params)
+    like = [jnp.float32] * len(leaves) if params is None else treedef.flatten_up_to(params)
     factors = _tuning.distinct_scalars(inv_scale, leaves)
-    return treedef.unflatten(
-        [
-            (jnp.asarray(g).astype(jnp.float32) * f).astype(
-                jnp.float32 if params is None else jnp.result_type(p)
-            )
-            for g, f, p in zip(leaves, factors, like)
-        ]
-    )
-
-
-_Adjust = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
-_HALF = (jnp.float16, jnp.bfloat16)
+    unscaled = [
+        (jnp.asarray(g, jnp.float32) * f).astype(jnp.result_type(p))
+        for g, f, p in zip(leaves, factors, like)
+    ]
+    return treedef.unflatten(unscaled)
 
 
 def _half_leaves(tree: Any) -> list[Any]:
-    return [x for x in jax.tree.leaves(tree) if jnp.result_type(x) in _HALF]
+    """The float16 and bfloat16 leaves of ``tree``: known from dtypes, when traced."""
+    return [x for x in jax.tree.leaves(tree) if jnp.result_type(x) in (jnp.float16, jnp.bfloat16)]
 
 
-def _has_half(tree: Any) -> bool:
-    """Whether ``tree`` has a float16 or bfloat16 leaf: decided from dtypes, when traced."""
-    return bool(_half_leaves(tree))
+def _init(inner: optax.GradientTransformation, init_scale: Any, params: Any) -> LossScaleState:
+    return LossScaleState(
+        # A copy: an array init_scale (inject_hyperparams keeps one) must not
+        # share its buffer with the state, or donating the state fails.
+        loss_scale=jnp.array(init_scale, jnp.float32, copy=True),
+        good_steps=jnp.zeros([], jnp.int32),
+        skipped_steps=jnp.zeros([], jnp.int32),
+        finite=jnp.ones([], jnp.bool_),
+        nonfinite_updates=jnp.zeros([], jnp.int32),
+        nonfinite_leaves=jnp.zeros([len(jax.tree.leaves(params))], jnp.bool_),
+        inner_state=inner.init(params),
+    )
 
 
-def _finite_and_bad_leaves(sums: list[jax.Array], axis_name: Hashable | None) -> tuple[Any, Any]:
-    """Whether all sums are finite, and a flag per leaf that is not; agreed over ``axis_name``."""
-    if not sums:
-        return jnp.array(True), jnp.zeros([0], jnp.bool_)
-    finite = ~jnp.isnan(_tuning.reduce_scalars(sums, jnp.sum))
-    bad = jnp.isnan(_tuning.stack_scalars(sums))
-    if axis_name is not None:  # every device takes the same branch
-        finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-        bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return finite, bad
-
-
-def _loss_scaler(
-    caller: str,
-    inner: optax.GradientTransformation,
-    init_scale: Any,
-    adjust: _Adjust,
-    skip_nonfinite: bool,
-    axis_name: Hashable | None,
-) -> optax.GradientTransformationExtraArgs:
-    """The wrapper both loss scalers share; ``adjust`` is the scale rule."""
+def _loss_scaler(caller: str, inner, init_scale, adjust, skip_nonfinite: bool, axis_name):
+    """The wrapper both loss scalers share: ``adjust(scale, good_steps, finite)`` sets the scale."""
     inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params):
-        return LossScaleState(
-            # A copy: an array init_scale (inject_hyperparams keeps one) must not
-            # share its buffer with the state, or donating the state fails.
-            loss_scale=jnp.array(init_scale, jnp.float32, copy=True),
-            good_steps=jnp.zeros([], jnp.int32),
-            skipped_steps=jnp.zeros([], jnp.int32),
-            finite=jnp.ones([], jnp.bool_),
-            nonfinite_updates=jnp.zeros([], jnp.int32),
-            nonfinite_leaves=jnp.zeros([len(jax.tree.leaves(params))], jnp.bool_),
-            inner_state=inner.init(params),
-        )
 
     def step(grads, state, params, extra_args, fused):
         _checks.state_of(caller, state, LossScaleState)
         _checks.real_leaves(caller, "updates", grads)
         _checks.check_like(caller, grads, params)
-        inv_scale = 1.0 / state.loss_scale
-        # One read of the gradients gives both: a leaf's sum is NaN iff it is not finite.
+        inv = 1.0 / state.loss_scale
+        # One read of the gradients gives the sums and which leaves are not finite (NaN sums).
         sums = [
-            _tuning.checked_square_sum(x)
-            for x in jax.tree.leaves(_unscale(grads, inv_scale, params))
+            _tuning.checked_square_sum(g) for g in jax.tree.leaves(_unscale(grads, inv, params))
         ]
-        finite, bad = _finite_and_bad_leaves(sums, axis_name)
+        bad = jnp.isnan(_tuning.stack_scalars(sums)) if sums else jnp.zeros([0], jnp.bool_)
+        if axis_name is not None:  # every device takes the same branch
+            bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        finite = ~jnp.any(bad)
         # With half-precision params or state, a finite step may still write inf or NaN.
-        check_writes = skip_nonfinite and _has_half((params, state.inner_state))
+        check_writes = skip_nonfinite and bool(_half_leaves((params, state.inner_state)))
 
         def run(grads):  # unscaled again here, so that XLA need not store the unscaled copy
-            unscaled = _unscale(grads, inv_scale, params)
-            extra = extra_args
-            if skip_nonfinite:  # finite here: a clip_by_global_norm right inside reuses the sums
-                extra = {"square_sums": (jax.tree.leaves(unscaled), sums), **extra_args}
+            unscaled = _unscale(grads, inv, params)
+            shared = {"square_sums": (jax.tree.leaves(unscaled), sums)} if skip_nonfinite else {}
+            extra = {**shared, **extra_args}  # finite here: a clip right inside reuses the sums
             out, new_inner = _apply.step(inner, unscaled, state.inner_state, params, extra, fused)
             if not check_writes:
                 return out, (new_inner, jnp.array(True))
@@ -188,26 +159,23 @@ def _loss_scaler(
             return out, (new_inner, ok)
 
         if skip_nonfinite:
-            out, (inner_state, writes_ok) = _apply.step_or_skip(
-                finite, run, grads, fused, params, (state.inner_state, jnp.array(True))
-            )
+            carry = (state.inner_state, jnp.array(True))
+            out, (inner_state, ok) = _apply.step_or_skip(finite, run, grads, fused, params, carry)
         else:
-            out, (inner_state, writes_ok) = run(grads)
+            out, (inner_state, ok) = run(grads)
         scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
+        skipped, written = state.skipped_steps, state.nonfinite_updates
         return out, LossScaleState(
             loss_scale=scale.astype(jnp.float32),
             good_steps=good_steps.astype(jnp.int32),
-            skipped_steps=jnp.where(
-                finite & writes_ok, state.skipped_steps, optax.safe_increment(state.skipped_steps)
-            ),
+            skipped_steps=jnp.where(finite & ok, skipped, optax.safe_increment(skipped)),
             finite=finite,
-            nonfinite_updates=jnp.where(
-                writes_ok, state.nonfinite_updates, optax.safe_increment(state.nonfinite_updates)
-            ),
+            nonfinite_updates=jnp.where(ok, written, optax.safe_increment(written)),
             nonfinite_leaves=jnp.where(finite, state.nonfinite_leaves, bad),
             inner_state=inner_state,
         )
 
+    init_fn = functools.partial(_init, inner, init_scale)
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
 
 
@@ -286,28 +254,18 @@ def dynamic_loss_scale(
       with ``TrainOneStepWithLossScaleCell``.
     """
     _checks.is_transform("inner", inner)
-    _checks.scale_bound("init_scale", init_scale)
+    _checks.scale_bounds(init_scale=init_scale, min_scale=min_scale, max_scale=max_scale)
     _checks.greater_than_one("growth_factor", growth_factor)
-    _checks.scale_bound("min_scale", min_scale)
-    _checks.scale_bound("max_scale", max_scale)
     _checks.in_open_interval("backoff_factor", backoff_factor, 0.0, 1.0)
     _checks.positive_int("growth_interval", growth_interval)
     _checks.hashable("axis_name", axis_name)
-    concrete = not any(_checks.traced(v) for v in (init_scale, growth_factor, min_scale, max_scale))
-    if concrete:
-        if float(min_scale) > float(init_scale):
-            raise ValueError(f"{min_scale=} must be <= {init_scale=}")
-        if float(max_scale) < float(init_scale):
-            raise ValueError(f"{max_scale=} must be >= {init_scale=}")
 
     def adjust(scale, good_steps, finite):
         good_steps = jnp.asarray(optax.safe_increment(good_steps))
         grow = good_steps >= growth_interval
         grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
-        backed_off = jnp.maximum(scale * backoff_factor, min_scale)
-        scale = jnp.where(finite, grown, backed_off)
-        good_steps = jnp.where(finite & ~grow, good_steps, 0)
-        return scale, good_steps
+        scale = jnp.where(finite, grown, jnp.maximum(scale * backoff_factor, min_scale))
+        return scale, jnp.where(finite & ~grow, good_steps, 0)
 
     return _loss_scaler("dynamic_loss_scale", inner, init_scale, adjust, True, axis_name)
 
