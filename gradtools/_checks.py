@@ -27,6 +27,7 @@ import optax
 
 __all__ = [
     "check_like",
+    "every_k",
     "finite_non_negative",
     "finite_positive",
     "float_dtype",
@@ -36,6 +37,7 @@ __all__ = [
     "in_open_interval",
     "is_bool",
     "is_transform",
+    "micro_batch_args",
     "non_negative_int",
     "numeric",
     "numeric_leaves",
@@ -48,6 +50,7 @@ __all__ = [
     "scale_bounds",
     "static",
     "traced",
+    "window_size",
 ]
 
 
@@ -370,4 +373,38 @@ def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> 
             f"the params given to init, and those params.\n  "
             + "\n  ".join(odd[:_MAX_SHOWN])
             + (f"\n  ... and {len(odd) - _MAX_SHOWN} more" if len(odd) > _MAX_SHOWN else "")
+        )
+
+
+def every_k(value: Any, noise_scale: Any) -> None:
+    """Checks ``every_k``: a static int >= 1 (>= 2 with ``noise_scale``) or a callable."""
+    is_bool("noise_scale", noise_scale)
+    if callable(value):
+        return
+    static("every_k", value, "it decides the structure of the state")
+    positive_int("every_k", value)
+    if noise_scale and int(value) == 1:
+        raise ValueError("noise_scale=True needs windows of 2 or more micro-batches: every_k=1")
+
+
+def micro_batch_args(weight: Any, flush: Any) -> None:
+    """Checks ``accumulate``'s ``weight`` (a real scalar) and ``flush`` (a scalar bool)."""
+    if not numeric(weight):
+        raise ValueError(f"weight={weight!r} must be a scalar number (the micro-batch's weight)")
+    if jnp.iscomplexobj(weight):
+        raise ValueError(f"weight={weight!r} must be a real number, not complex")
+    if jnp.shape(weight) != ():
+        raise ValueError(f"weight must be a scalar, got an array of shape {jnp.shape(weight)}")
+    if not numeric(flush) or jnp.shape(flush) != () or jnp.result_type(flush) != jnp.bool_:
+        raise ValueError(f"flush must be a scalar bool (Python or traced), got {flush!r}")
+
+
+def window_size(size: Any) -> None:
+    """Checks that a scheduled ``every_k(windows_closed)`` returned a scalar int."""
+    if not numeric(size) or jnp.shape(size) != () or isinstance(size, (bool, float)):
+        raise ValueError(f"every_k(windows_closed) must return a scalar int, got {size!r}")
+    if not jnp.issubdtype(jnp.result_type(size), jnp.integer):
+        raise ValueError(
+            f"every_k(windows_closed) returned {jnp.result_type(size)}: return an int, "
+            "e.g. jnp.int32(...) or x.astype(jnp.int32)"
         )

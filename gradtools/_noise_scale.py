@@ -15,9 +15,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gradtools import _tree
 from gradtools import _tuning
 
-__all__ = ["NoiseScaleState", "add", "clear", "close", "init", "report", "sq_norm"]
+__all__ = ["NoiseScaleState", "add", "close", "init", "report", "sq_norm"]
 
 
 class NoiseScaleState(NamedTuple):
@@ -66,11 +67,15 @@ def add(state: NoiseScaleState, g_sq_norm: jax.Array, w: jax.Array, take: jax.Ar
 def close(
     state: NoiseScaleState, big: jax.Array, window_weight: jax.Array, decay: Any
 ) -> NoiseScaleState:
-    """``state`` after a window closes: its estimates enter the averages if there are any.
+    """``state`` after a window closes: its estimates enter the averages, and its sums clear.
 
-    ``big`` is ``|mean_i g_i|^2``. With ``n`` micro-batches and ``b = B / n``,
-    ``(B * big - b * small) / (B - b) = (n * big - small) / (n - 1)`` and
-    ``(small - big) / (1 / b - 1 / B) = (small - big) * B / (n - 1)``.
+    ``big`` is ``|mean_i g_i|^2``; take it from the window's mean, not from the
+    buffer that holds its sum: a second read of the buffer in the branch that
+    closes the window makes XLA:CPU copy the buffer on every micro-step. With
+    ``n`` micro-batches and ``b = B / n``, ``(B * big - b * small) / (B - b) =
+    (n * big - small) / (n - 1)`` and ``(small - big) / (1 / b - 1 / B) =
+    (small - big) * B / (n - 1)``. A window of fewer than 2 micro-batches, or
+    with estimates that are not finite, gives none.
     """
     n = state.window_micro_batches.astype(jnp.float32)
     small = state.window_sq_norms / window_weight  # mean_i |g_i|^2
@@ -82,18 +87,11 @@ def close(
     def ema(avg: jax.Array, x: jax.Array) -> jax.Array:
         return jnp.where(ok, decay * avg + (1 - decay) * x, avg)
 
-    return state._replace(
+    cleared = _tree.zeros_like(state)  # varying over shard_map axes as the state does
+    return cleared._replace(
         g2_ema=ema(state.g2_ema, g2),
         s_ema=ema(state.s_ema, s),
         ema_weight=ema(state.ema_weight, jnp.ones([], jnp.float32)),
-    )
-
-
-def clear(state: NoiseScaleState, closes: jax.Array) -> NoiseScaleState:
-    """``state`` with the window's sums cleared where ``closes``."""
-    return state._replace(
-        window_sq_norms=jnp.where(closes, jnp.zeros([], jnp.float32), state.window_sq_norms),
-        window_micro_batches=jnp.where(closes, 0, state.window_micro_batches).astype(jnp.int32),
     )
 
 

@@ -82,7 +82,9 @@ def match_types(tree: Any, types: Any) -> Any:
         return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
 
     def one(x: Any, like: Any) -> Any:
-        x = jnp.asarray(x).astype(like.dtype)  # an optax state may hold a Python number
+        x = jnp.asarray(x)  # an optax state may hold a Python number
+        if jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
+            x = x.astype(like.dtype)
         missing = tuple(varying(like) - varying(jax.typeof(x)))
         if not missing:
             return x

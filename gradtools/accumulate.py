@@ -24,6 +24,7 @@ from the windows' micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -79,37 +80,112 @@ class AccumulateState(NamedTuple):
     noise_stats: NoiseScaleState | tuple[()]
 
 
-def _micro_weight(weight: Any) -> jax.Array:
-    """The float32 weight of one micro-batch: 0 unless it is finite and > 0."""
-    if not _checks.numeric(weight):
-        raise ValueError(f"weight={weight!r} must be a scalar number (the micro-batch's weight)")
-    w = jnp.asarray(weight)
-    if jnp.issubdtype(w.dtype, jnp.complexfloating):
-        raise ValueError(f"weight={weight!r} must be a real number, not complex")
-    if w.shape != ():
-        raise ValueError(f"weight must be a scalar, got an array of shape {w.shape}")
-    w = w.astype(jnp.float32)
-    return jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros([], jnp.float32))
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Accumulate:
+    """The transformation :func:`accumulate` returns: ``init`` and ``step``, with its options."""
 
+    inner: optax.GradientTransformationExtraArgs
+    every_k: int | Callable[[jax.Array], Any]
+    average: bool
+    dtype: Any
+    skip_nonfinite: bool
+    noise_scale: bool
+    noise_scale_decay: Any
 
-def _flush_flag(flush: Any) -> jax.Array:
-    flag = jnp.asarray(flush) if _checks.numeric(flush) else None
-    if flag is None or flag.shape != () or flag.dtype != jnp.bool_:
-        raise ValueError(f"flush must be a scalar bool (Python or traced), got {flush!r}")
-    return flag
+    def window_size(self, windows_closed: jax.Array) -> jax.Array:
+        """The length of the window opened after ``windows_closed`` windows, at least 1."""
+        if not callable(self.every_k):
+            return jnp.full([], self.every_k, jnp.int32)
+        size = self.every_k(windows_closed)
+        _checks.window_size(size)
+        return jnp.maximum(jnp.asarray(size).astype(jnp.int32), 1)
 
-
-def _scheduled_size(every_k: Callable[[jax.Array], Any], windows_closed: jax.Array) -> jax.Array:
-    """``every_k(windows_closed)`` as an int32 of at least 1."""
-    size = every_k(windows_closed)
-    if not _checks.numeric(size) or jnp.shape(size) != () or isinstance(size, (bool, float)):
-        raise ValueError(f"every_k(windows_closed) must return a scalar int, got {size!r}")
-    if not jnp.issubdtype(jnp.result_type(size), jnp.integer):
-        raise ValueError(
-            f"every_k(windows_closed) returned {jnp.result_type(size)}: return an int, "
-            "e.g. jnp.int32(...) or x.astype(jnp.int32)"
+    def init(self, params: Any) -> AccumulateState:
+        # zeros_like: laid out like the param, as optax lays out its moments
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, self.dtype), params)
+        return AccumulateState(
+            micro_step=jnp.zeros([], jnp.int32),
+            window_weight=jnp.zeros([], jnp.float32),
+            dropped_micro_steps=jnp.zeros([], jnp.int32),
+            acc_grads=() if self.every_k == 1 else zeros,
+            inner_state=self.inner.init(params),
+            windows_closed=jnp.zeros([], jnp.int32),
+            window_size=self.window_size(jnp.zeros([], jnp.int32)),
+            noise_stats=_noise_scale.init() if self.noise_scale else (),
         )
-    return jnp.maximum(jnp.asarray(size).astype(jnp.int32), 1)
+
+    def step(self, grads, state, params, extra_args, fused):
+        _checks.state_of("accumulate", state, AccumulateState)
+        extra_args = dict(extra_args)  # weight and flush are accumulate's, the rest inner's
+        weight, flush = extra_args.pop("weight", 1.0), extra_args.pop("flush", False)
+        _checks.micro_batch_args(weight, flush)
+        _checks.real_leaves("accumulate", "updates", grads)
+        _checks.check_like("accumulate", grads, params)
+        if self.every_k != 1:
+            _checks.check_like("accumulate", grads, state.acc_grads, "acc_grads (from init)")
+        w = jnp.asarray(weight, jnp.float32)
+        finite = all_finite(grads) if self.skip_nonfinite else jnp.array(True)
+        take = finite & jnp.isfinite(w) & (w > 0)  # the micro-batch's gradients enter the window
+
+        # Add this micro-step.
+        window = self.add(state, grads, w, take)
+        micro_step = state.micro_step + finite.astype(jnp.int32)
+        window_weight = state.window_weight + jnp.where(take, w, 0.0)
+        size = state.window_size if callable(self.every_k) else self.every_k
+        closes = (micro_step >= size) | jnp.asarray(flush)
+        noise = state.noise_stats
+        if self.noise_scale:
+            noise = _noise_scale.add(noise, _noise_scale.sq_norm(grads), w, take)
+
+        # If the window closes (and holds any weight), step the optimizer on its mean.
+        like = grads if params is None or self.every_k == 1 else params  # every_k=1: as they came
+
+        def close(window):
+            div = (window_weight if self.average else jnp.ones([], jnp.float32)).astype(self.dtype)
+            exact = window if self.every_k == 1 else jax.tree.map(lambda a: a / div, window)
+            mean = jax.tree.map(lambda m, p: m.astype(jnp.result_type(p)), exact, like)
+            out, new = _apply.step(self.inner, mean, state.inner_state, params, extra_args, fused)
+            if not self.noise_scale:
+                return out, (new, noise)
+            big = _noise_scale.sq_norm(exact) / (1 if self.average else window_weight**2)
+            return out, (new, _noise_scale.close(noise, big, window_weight, self.noise_scale_decay))
+
+        carry, emits = (state.inner_state, noise), closes & (window_weight > 0)
+        if fused or self.every_k == 1:
+            out, (inner, noise) = _apply.step_or_skip(emits, close, window, fused, params, carry)
+        else:
+            out, window, (inner, noise) = _tuning.cond_through_buffer(emits, close, window, carry)
+        new_state = self.after(state, closes, micro_step, window_weight, finite, window)
+        return out, new_state._replace(inner_state=inner, noise_stats=noise)
+
+    def add(self, state: AccumulateState, grads: Any, w: jax.Array, take: jax.Array) -> Any:
+        """The window after this micro-step; the first micro-step of a window starts from 0."""
+        if self.every_k == 1:  # no buffer: the window is this micro-batch
+            return grads if self.average else _tree.scale_f32(grads, w)
+        is_open, zero = state.micro_step > 0, jnp.zeros([], self.dtype)
+
+        def add_leaf(acc, g):
+            g = jnp.asarray(g).astype(self.dtype) * w.astype(self.dtype)
+            return jnp.where(is_open, acc, zero) + jnp.where(take, g, zero)
+
+        return jax.tree.map(add_leaf, state.acc_grads, grads)
+
+    def after(self, state, closes, micro_step, window_weight, finite, window) -> AccumulateState:
+        """The counters after this micro-step: a window that closes makes way for the next."""
+        windows_closed, window_size = state.windows_closed, state.window_size
+        if callable(self.every_k):  # an int every_k needs no count (nor its kernel on a GPU)
+            closed = closes & (micro_step > 0)  # it held a micro-step
+            n = jnp.where(closed, optax.safe_increment(windows_closed), windows_closed)
+            windows_closed = n.astype(jnp.int32)
+            window_size = jnp.where(closes, self.window_size(windows_closed), window_size)
+        return state._replace(
+            micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
+            window_weight=jnp.where(closes, 0.0, window_weight),
+            dropped_micro_steps=state.dropped_micro_steps + (~finite).astype(jnp.int32),
+            acc_grads=window if self.every_k != 1 else (),
+            windows_closed=windows_closed,
+            window_size=window_size,
+        )
 
 
 def accumulate(
@@ -230,123 +306,18 @@ def accumulate(
       accumulation with ``accu_overflow``.
     """
     _checks.is_transform("inner", inner)
-    schedule = every_k if callable(every_k) else None
-    if schedule is None:
-        _checks.static("every_k", every_k, "it decides the structure of the state")
-        _checks.positive_int("every_k", every_k)
+    _checks.every_k(every_k, noise_scale)
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)
     _checks.one_of("on_nonfinite", on_nonfinite, _ON_NONFINITE)
-    _checks.is_bool("noise_scale", noise_scale)
     _checks.in_open_interval("noise_scale_decay", noise_scale_decay, 0.0, 1.0)
-    decay = noise_scale_decay
-    k = 0 if schedule is not None else int(every_k)  # pyright: ignore[reportArgumentType]
-    if noise_scale and k == 1:
-        raise ValueError("noise_scale=True needs windows of 2 or more micro-batches: every_k=1")
-    inner = optax.with_extra_args_support(inner)
-    dtype = jnp.dtype(dtype)
-    skip_nonfinite = on_nonfinite == "skip_microstep"
-
-    def size(windows_closed):
-        """The length of the window opened after ``windows_closed`` windows."""
-        if schedule is None:
-            return jnp.full([], k, jnp.int32)
-        return _scheduled_size(schedule, windows_closed)
-
-    def init_fn(params):
-        # zeros_like: laid out like the param, as optax lays out its moments
-        buffer = () if k == 1 else jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params)
-        return AccumulateState(
-            micro_step=jnp.zeros([], jnp.int32),
-            window_weight=jnp.zeros([], jnp.float32),
-            dropped_micro_steps=jnp.zeros([], jnp.int32),
-            acc_grads=buffer,
-            inner_state=inner.init(params),
-            windows_closed=jnp.zeros([], jnp.int32),
-            window_size=size(jnp.zeros([], jnp.int32)),
-            noise_stats=_noise_scale.init() if noise_scale else (),
-        )
-
-    def add(state, grads, w, take):
-        """The window after this micro-step; the first micro-step of a window starts from 0."""
-        if k == 1:  # no buffer: the window is this micro-batch
-            return grads if average else _tree.scale_f32(grads, w)
-        is_open, zero = state.micro_step > 0, jnp.zeros([], dtype)
-        return jax.tree.map(
-            lambda a, g: (
-                jnp.where(is_open, a, zero)
-                + jnp.where(take, jnp.asarray(g).astype(dtype) * w.astype(dtype), zero)
-            ),
-            state.acc_grads,
-            grads,
-        )
-
-    def after(state, closes, micro_step, window_weight, finite, window, inner_state, noise):
-        """The state after this micro-step: a window that closes makes way for the next."""
-        windows_closed, window_size = state.windows_closed, state.window_size
-        if schedule is not None:  # an int every_k needs no count (nor its kernel on a GPU)
-            closed = closes & (micro_step > 0)  # it held a micro-step
-            n = windows_closed
-            windows_closed = jnp.where(closed, optax.safe_increment(n), n).astype(jnp.int32)
-            window_size = jnp.where(closes, size(windows_closed), window_size)
-        return AccumulateState(
-            micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
-            window_weight=jnp.where(closes, jnp.zeros([], jnp.float32), window_weight),
-            dropped_micro_steps=state.dropped_micro_steps + (~finite).astype(jnp.int32),
-            acc_grads=window if k != 1 else (),
-            inner_state=inner_state,
-            windows_closed=windows_closed,
-            window_size=window_size,
-            noise_stats=_noise_scale.clear(noise, closes) if noise_scale else (),
-        )
-
-    def step(grads, state, params, extra_args, fused):
-        _checks.state_of("accumulate", state, AccumulateState)
-        extra_args = dict(extra_args)  # weight and flush are accumulate's, the rest inner's
-        w = _micro_weight(extra_args.pop("weight", 1.0))
-        flush = _flush_flag(extra_args.pop("flush", False))
-        _checks.real_leaves("accumulate", "updates", grads)
-        _checks.check_like("accumulate", grads, params)
-        if k != 1:
-            _checks.check_like("accumulate", grads, state.acc_grads, "acc_grads (from init)")
-        finite = all_finite(grads) if skip_nonfinite else jnp.array(True)
-        take = finite & (w > 0)  # the micro-batch's gradients enter the window
-
-        # Add this micro-step.
-        window = add(state, grads, w, take)
-        micro_step = state.micro_step + finite.astype(jnp.int32)
-        window_weight = state.window_weight + jnp.where(take, w, jnp.zeros([], jnp.float32))
-        closes = (micro_step >= (k if schedule is None else state.window_size)) | flush
-        noise = state.noise_stats
-        if noise_scale:
-            noise = _noise_scale.add(noise, _noise_scale.sq_norm(grads), w, take)
-
-        # If the window closes (and holds any weight), step the optimizer on its mean.
-        like = grads if params is None else params
-
-        def close(window):
-            mean = exact = window  # every_k=1: the micro-batch as it came
-            if k != 1:
-                div = (window_weight if average else jnp.ones([], jnp.float32)).astype(dtype)
-                exact = jax.tree.map(lambda a: a / div, window)  # in dtype
-                mean = jax.tree.map(lambda m, p: m.astype(jnp.result_type(p)), exact, like)
-            out, stepped = _apply.step(inner, mean, state.inner_state, params, extra_args, fused)
-            if not noise_scale:
-                return out, stepped
-            # |mean_i g_i|^2 from the mean inner is given (before its cast to the params'
-            # dtypes), not from the buffer: a second read of the buffer in this branch
-            # makes XLA:CPU copy the buffer on every micro-step.
-            big = _noise_scale.sq_norm(exact) / (1 if average else window_weight * window_weight)
-            return out, (stepped, _noise_scale.close(noise, big, window_weight, decay))
-
-        carry = (state.inner_state, noise) if noise_scale else state.inner_state
-        emits = closes & (window_weight > 0)
-        if fused or k == 1:
-            out, carry = _apply.step_or_skip(emits, close, window, fused, params, carry)
-        else:
-            out, window, carry = _tuning.cond_through_buffer(emits, close, window, carry)
-        if noise_scale:
-            carry, noise = carry
-        return out, after(state, closes, micro_step, window_weight, finite, window, carry, noise)
-
-    return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
+    tx = _Accumulate(
+        inner=optax.with_extra_args_support(inner),
+        every_k=every_k if callable(every_k) else int(every_k),  # pyright: ignore[reportArgumentType]
+        average=average,
+        dtype=jnp.dtype(dtype),
+        skip_nonfinite=on_nonfinite == "skip_microstep",
+        noise_scale=noise_scale,
+        noise_scale_decay=noise_scale_decay,
+    )
+    return optax.GradientTransformationExtraArgs(tx.init, _apply.Update(tx.step))
