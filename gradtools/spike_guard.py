@@ -65,6 +65,27 @@ def _observe(state: SpikeGuardState, norm: jax.Array, decay: Any) -> tuple[jax.A
     return state.norm_mean + w * delta, (1 - w) * (state.norm_var + w * delta * delta)
 
 
+def _norm(grads: Any, p: Any, shared: bool, extra_args: dict[str, Any]) -> tuple[jax.Array, Any]:
+    """``(norm, sums)``: the global norm, and for a shared L2 norm each leaf's sum of squares."""
+    if not (shared and jax.tree.leaves(grads)):
+        return _global_norm(grads, p), None
+    sums = _known(grads, *extra_args.get("square_sums", ([], [])))
+    return jnp.sqrt(_tuning.reduce_scalars(sums, jnp.sum)), sums
+
+
+def _update(state, inner_state, norm, spike, used, enters, decay) -> SpikeGuardState:
+    """The next state: ``used`` enters the statistics where ``enters``; a spike is counted."""
+    mean, var = _observe(state, used, decay)
+    return SpikeGuardState(
+        spikes=jnp.where(spike, optax.safe_increment(state.spikes), state.spikes),
+        guard_norm=norm,
+        norm_mean=jnp.where(enters, mean, state.norm_mean),
+        norm_var=jnp.where(enters, var, state.norm_var),
+        norm_count=jnp.where(enters, optax.safe_increment(state.norm_count), state.norm_count),
+        inner_state=inner_state,
+    )
+
+
 def spike_guard(
     inner: optax.GradientTransformation,
     *,
@@ -152,12 +173,7 @@ def spike_guard(
 
     def step(grads, state, params, extra_args, fused):
         _checks.real_leaves("spike_guard", "updates", grads)
-        sums = None
-        if shared and jax.tree.leaves(grads):
-            sums = _known(grads, *extra_args.get("square_sums", ([], [])))
-            norm = jnp.sqrt(_tuning.reduce_scalars(sums, jnp.sum))
-        else:
-            norm = _global_norm(grads, p)
+        norm, sums = _norm(grads, p, shared, extra_args)
         limit = state.norm_mean + jnp.asarray(z_threshold, jnp.float32) * jnp.sqrt(state.norm_var)
         finite = jnp.isfinite(norm)
         warm = state.norm_count >= jnp.maximum(warmup_steps, 1)
@@ -193,15 +209,6 @@ def spike_guard(
             out, inner_state = _apply.step(inner, clipped, state.inner_state, params, extra, fused)
             used, enters = jnp.where(spike, limit, norm), finite
 
-        mean, var = _observe(state, used, decay)
-        new_state = SpikeGuardState(
-            spikes=jnp.where(spike, optax.safe_increment(state.spikes), state.spikes),
-            guard_norm=norm,
-            norm_mean=jnp.where(enters, mean, state.norm_mean),
-            norm_var=jnp.where(enters, var, state.norm_var),
-            norm_count=jnp.where(enters, optax.safe_increment(state.norm_count), state.norm_count),
-            inner_state=inner_state,
-        )
-        return out, new_state
+        return out, _update(state, inner_state, norm, spike, used, enters, decay)
 
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
