@@ -65,6 +65,69 @@ def _observe(state: SpikeGuardState, norm: jax.Array, decay: Any) -> tuple[jax.A
     return state.norm_mean + w * delta, (1 - w) * (state.norm_var + w * delta * delta)
 
 
+def _norm(grads: Any, p: Any, shared: bool, extra_args: dict[str, Any]) -> tuple[jax.Array, Any]:
+    """``(norm, sums)``: the global norm, and for a shared L2 norm each leaf's sum of squares."""
+    if not (shared and jax.tree.leaves(grads)):
+        return _global_norm(grads, p), None
+    sums = _known(grads, *extra_args.get("square_sums", ([], [])))
+    return jnp.sqrt(_tuning.reduce_scalars(sums, jnp.sum)), sums
+
+
+def _sharing(extra_args: dict[str, Any], grads: Any, sums: Any) -> dict[str, Any]:
+    """``extra_args`` with ``sums``, the sums of squares of ``grads``, as ``square_sums``."""
+    if sums is None:
+        return extra_args
+    return {**extra_args, "square_sums": (jax.tree.leaves(grads), sums)}
+
+
+def _clip(
+    inner, grads, inner_state, params, extra_args, fused, norm, sums, limit, spike
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """Scales a spike down to ``limit``: ``(out, inner_state, used_norm, enters)``."""
+    factor = jnp.where(spike, limit / norm, jnp.ones([], jnp.float32))
+    clipped = jax.tree.map(
+        lambda s, g: jnp.where(spike, s, g), _tree.scale_f32(grads, factor), grads
+    )
+    rescaled = sums
+    if sums is not None:  # the sums of the clipped grads, read again only on a spike
+        rescaled = lax.cond(
+            spike,
+            lambda g, f: _known(_tree.scale_f32(g, f), [], []),
+            lambda g, f: sums,
+            grads,
+            factor,
+        )
+    extra = _sharing(extra_args, clipped, rescaled)
+    out, new_inner_state = _apply.step(inner, clipped, inner_state, params, extra, fused)
+    return out, new_inner_state, jnp.where(spike, limit, norm), jnp.isfinite(norm)
+
+
+def _skip(
+    inner, grads, inner_state, params, extra_args, fused, norm, sums, spike
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """Drops a spike, ``inner`` untouched: ``(out, inner_state, used_norm, enters)``."""
+
+    def run(grads):
+        extra = _sharing(extra_args, grads, sums)
+        return _apply.step(inner, grads, inner_state, params, extra, fused)
+
+    out, new_inner_state = _apply.step_or_skip(~spike, run, grads, fused, params, inner_state)
+    return out, new_inner_state, norm, jnp.isfinite(norm) & ~spike
+
+
+def _update(state, inner_state, norm, spike, used, enters, decay) -> SpikeGuardState:
+    """The next state: ``used`` enters the statistics where ``enters``; a spike is counted."""
+    mean, var = _observe(state, used, decay)
+    return SpikeGuardState(
+        spikes=jnp.where(spike, optax.safe_increment(state.spikes), state.spikes),
+        guard_norm=norm,
+        norm_mean=jnp.where(enters, mean, state.norm_mean),
+        norm_var=jnp.where(enters, var, state.norm_var),
+        norm_count=jnp.where(enters, optax.safe_increment(state.norm_count), state.norm_count),
+        inner_state=inner_state,
+    )
+
+
 def spike_guard(
     inner: optax.GradientTransformation,
     *,
@@ -152,56 +215,15 @@ def spike_guard(
 
     def step(grads, state, params, extra_args, fused):
         _checks.real_leaves("spike_guard", "updates", grads)
-        sums = None
-        if shared and jax.tree.leaves(grads):
-            sums = _known(grads, *extra_args.get("square_sums", ([], [])))
-            norm = jnp.sqrt(_tuning.reduce_scalars(sums, jnp.sum))
-        else:
-            norm = _global_norm(grads, p)
+        norm, sums = _norm(grads, p, shared, extra_args)
         limit = state.norm_mean + jnp.asarray(z_threshold, jnp.float32) * jnp.sqrt(state.norm_var)
-        finite = jnp.isfinite(norm)
         warm = state.norm_count >= jnp.maximum(warmup_steps, 1)
-        spike = finite & warm & (norm > limit)
-
-        if action == "skip":
-
-            def run(grads):
-                extra = extra_args
-                if sums is not None:
-                    extra = {**extra_args, "square_sums": (jax.tree.leaves(grads), sums)}
-                return _apply.step(inner, grads, state.inner_state, params, extra, fused)
-
-            out, inner_state = _apply.step_or_skip(
-                ~spike, run, grads, fused, params, state.inner_state
-            )
-            used, enters = norm, finite & ~spike
+        spike = jnp.isfinite(norm) & warm & (norm > limit)
+        args = (inner, grads, state.inner_state, params, extra_args, fused, norm, sums)
+        if action == "clip":
+            out, inner_state, used, enters = _clip(*args, limit, spike)
         else:
-            factor = jnp.where(spike, limit / norm, jnp.ones([], jnp.float32))
-            clipped = jax.tree.map(
-                lambda s, g: jnp.where(spike, s, g), _tree.scale_f32(grads, factor), grads
-            )
-            extra = extra_args
-            if sums is not None:  # the sums of the clipped grads, read again only on a spike
-                rescaled = lax.cond(
-                    spike,
-                    lambda g, f: _known(_tree.scale_f32(g, f), [], []),
-                    lambda g, f: sums,
-                    grads,
-                    factor,
-                )
-                extra = {**extra_args, "square_sums": (jax.tree.leaves(clipped), rescaled)}
-            out, inner_state = _apply.step(inner, clipped, state.inner_state, params, extra, fused)
-            used, enters = jnp.where(spike, limit, norm), finite
-
-        mean, var = _observe(state, used, decay)
-        new_state = SpikeGuardState(
-            spikes=jnp.where(spike, optax.safe_increment(state.spikes), state.spikes),
-            guard_norm=norm,
-            norm_mean=jnp.where(enters, mean, state.norm_mean),
-            norm_var=jnp.where(enters, var, state.norm_var),
-            norm_count=jnp.where(enters, optax.safe_increment(state.norm_count), state.norm_count),
-            inner_state=inner_state,
-        )
-        return out, new_state
+            out, inner_state, used, enters = _skip(*args, spike)
+        return out, _update(state, inner_state, norm, spike, used, enters, decay)
 
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
