@@ -32,7 +32,6 @@ from gradtools import _checks
 from gradtools import _tree
 from gradtools.naming import _assign
 from gradtools.naming import _flatten
-from gradtools.naming import _listing
 from gradtools.naming import _parse_rules
 from gradtools.naming import _shape_dtype
 from gradtools.naming import decay_mask
@@ -160,24 +159,6 @@ def _update_groups(txs, states, updates, params, index, extra_args, fused=False)
     return treedef.unflatten(out), tuple(new_states)
 
 
-def _check_loss_scale_covers_all(states: tuple[Any, ...], txs: list[Any], patterns: list[str]):
-    """Raises unless a loss scaler inside a group leaves every other group frozen.
-
-    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
-    scaler inside one group unscales only that group's.
-    """
-    names = [*patterns, "default"]
-    scaled = [g for g, s in enumerate(states) if optax.tree.get_all_with_path(s, "LossScaleState")]
-    unscaled = [g for g in range(len(txs)) if g not in scaled and not _is_frozen(txs[g])]
-    if scaled and unscaled:
-        raise ValueError(
-            f"param_groups: the group {names[scaled[0]]!r} holds a loss scaler, but "
-            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
-            "loss that nothing unscales. Put the loss scaler outside: "
-            "dynamic_loss_scale(param_groups(...))"
-        )
-
-
 def param_groups(
     rules: Sequence[tuple[str, optax.GradientTransformation]],
     default: optax.GradientTransformation | None = None,
@@ -233,13 +214,14 @@ def param_groups(
     # frozen(): set_to_zero() gives the same updates, but the wrapper hides what it is.
     txs = [tx for _, tx in parsed] + ([default] if default is not None else [])
     txs = [optax.with_extra_args_support(frozen() if _is_frozen(tx) else tx) for tx in txs]
+    names = [rx.pattern for rx, _ in parsed] + ["default"]
 
     def index_of(tree):
         return _assign(_flatten(tree)[0], parsed, default is not None, "param_groups")
 
     def init_fn(params):
         states = _init_groups(txs, params, index_of(params))
-        _check_loss_scale_covers_all(states, txs, [rx.pattern for rx, _ in parsed])
+        _checks.loss_scaler_outside("param_groups", names, states, [_is_frozen(tx) for tx in txs])
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
@@ -306,18 +288,12 @@ def freeze(
     _checks.is_transform("inner", inner)
     if isinstance(patterns, (str, re.Pattern)):
         patterns = [patterns]
-    if not isinstance(patterns, Sequence) or not patterns:
-        raise TypeError(f"{patterns=} must be a regex or a non-empty sequence of regexes")
-    compiled = [_checks.regex(f"patterns[{i}]", p) for i, p in enumerate(patterns)]
+    compiled = _checks.regexes("patterns", patterns)
     txs = [optax.with_extra_args_support(inner), optax.with_extra_args_support(frozen())]
 
     def index_of(tree):  # 1: frozen, 0: trained by inner
         names = _flatten(tree)[0]
-        for pattern, rx in zip(patterns, compiled):
-            if not any(rx.search(n) for n in names):
-                raise ValueError(
-                    f"freeze: pattern {pattern!r} matches no parameter. {_listing(names)}"
-                )
+        _checks.patterns_match("freeze", patterns, compiled, names)
         return [int(any(rx.search(n) for rx in compiled)) for n in names]
 
     def init_fn(params):

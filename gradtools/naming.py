@@ -25,7 +25,6 @@ from gradtools import _checks
 __all__ = ["decay_mask", "label_params", "path_names"]
 
 Rules = list[tuple[re.Pattern[str], Any]]
-_MAX_NAMES = 100  # how many names an error message lists
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -109,33 +108,17 @@ def _parse_rules(rules: Any, arg: str = "rules") -> Rules:
     return parsed
 
 
-def _listing(names: list[str]) -> str:
-    shown = "\n".join(f"  {n}" for n in names[:_MAX_NAMES])
-    more = f"\n  ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
-    return f"The parameter names are:\n{shown}{more}"
-
-
 def _assign(names: list[str], rules: Rules, has_default: bool, caller: str) -> list[int]:
-    """For each name, the index of its first matching rule (``len(rules)``: default)."""
+    """For each name, the index of its first matching rule (``len(rules)``: default).
+
+    Raises:
+      ValueError: if a rule takes no parameter, or a parameter matches no rule
+        while there is no default (:func:`gradtools._checks.rules_match`).
+    """
     index = [
         next((i for i, (rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
     ]
-    unmatched = [n for n, i in zip(names, index) if i == len(rules)]
-    if unmatched and not has_default:
-        raise ValueError(
-            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
-            f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
-        )
-    for i, (rx, _) in enumerate(rules):
-        if i not in index:
-            why = (
-                "every parameter it matches is taken by an earlier rule"
-                if any(rx.search(n) for n in names)
-                else "it matches no parameter"
-            )
-            raise ValueError(
-                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
-            )
+    _checks.rules_match(caller, names, rules, index, has_default)
     return index
 
 
