@@ -32,7 +32,6 @@ from gradtools import _checks
 from gradtools import _tree
 from gradtools.naming import _assign
 from gradtools.naming import _flatten
-from gradtools.naming import _listing
 from gradtools.naming import _parse_rules
 from gradtools.naming import _shape_dtype
 from gradtools.naming import decay_mask
@@ -79,13 +78,9 @@ class FreezeState(NamedTuple):
 
 
 def _frozen_init(params: Any) -> optax.EmptyState:
+    """:func:`frozen`'s init, by which :func:`_is_frozen` knows a ``frozen()``."""
     del params
     return optax.EmptyState()
-
-
-def _frozen_update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-    del params
-    return _tree.zeros_like(updates), state
 
 
 def frozen() -> optax.GradientTransformation:
@@ -106,7 +101,12 @@ def frozen() -> optax.GradientTransformation:
       >>> tx.update({'w': jnp.ones(2)}, tx.init({'w': jnp.ones(2)}))[0]
       {'w': Array([0., 0.], dtype=float32)}
     """
-    return optax.GradientTransformation(_frozen_init, _frozen_update)
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        del params
+        return _tree.zeros_like(updates), state
+
+    return optax.GradientTransformation(_frozen_init, update_fn)
 
 
 # Every optax.set_to_zero() (optax's own way to freeze) has an update of this code
@@ -131,51 +131,28 @@ def _only(tree: Any, index: list[int], group: int) -> Any:
     )
 
 
-def _init_groups(txs: list[Any], params: Any, index: list[int]) -> tuple[Any, ...]:
-    return tuple(tx.init(_only(params, index, g)) for g, tx in enumerate(txs))
-
-
-def _update_groups(txs, states, updates, params, index, extra_args, fused=False):
+def _update_groups(txs, states, updates, params, index, extra_args, fused):
     """Runs each group's transform on its own leaves and merges the results.
 
     Returns the updates, or with ``fused`` the new params: each group then takes
-    its own fast path (:func:`gradtools._apply.step`), and a frozen
-    group leaves its params as they are instead of adding zeros to them.
+    its own fast path (:func:`gradtools._apply.step`). A frozen group (its
+    transform ``None``) runs none: its updates are zeros, and fused its params
+    stay as they are instead of having zeros added to them.
     """
     _, leaves, treedef = _flatten(updates)
     out, new_states = list(leaves), []
     for g, (tx, state) in enumerate(zip(txs, states)):
         group_params = None if params is None else _only(params, index, g)
         group_updates = _only(updates, index, g)
-        if fused and _is_frozen(tx):
-            new = group_params
-        elif fused:
-            new, state = _apply.step(tx, group_updates, state, group_params, extra_args, True)
+        if tx is None:
+            new = group_params if fused else _tree.zeros_like(group_updates)
         else:
-            new, state = tx.update(group_updates, state, group_params, **extra_args)
+            new, state = _apply.step(tx, group_updates, state, group_params, extra_args, fused)
         for j, x in enumerate(treedef.flatten_up_to(new)):
             if index[j] == g:
                 out[j] = x
         new_states.append(state)
     return treedef.unflatten(out), tuple(new_states)
-
-
-def _check_loss_scale_covers_all(states: tuple[Any, ...], txs: list[Any], patterns: list[str]):
-    """Raises unless a loss scaler inside a group leaves every other group frozen.
-
-    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
-    scaler inside one group unscales only that group's.
-    """
-    names = [*patterns, "default"]
-    scaled = [g for g, s in enumerate(states) if optax.tree.get_all_with_path(s, "LossScaleState")]
-    unscaled = [g for g in range(len(txs)) if g not in scaled and not _is_frozen(txs[g])]
-    if scaled and unscaled:
-        raise ValueError(
-            f"param_groups: the group {names[scaled[0]]!r} holds a loss scaler, but "
-            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
-            "loss that nothing unscales. Put the loss scaler outside: "
-            "dynamic_loss_scale(param_groups(...))"
-        )
 
 
 def param_groups(
@@ -230,16 +207,20 @@ def param_groups(
         _checks.is_transform(f"rules[{i}][1]", tx)
     if default is not None:
         _checks.is_transform("default", default)
-    # frozen(): set_to_zero() gives the same updates, but the wrapper hides what it is.
     txs = [tx for _, tx in parsed] + ([default] if default is not None else [])
-    txs = [optax.with_extra_args_support(frozen() if _is_frozen(tx) else tx) for tx in txs]
+    txs = [None if _is_frozen(tx) else optax.with_extra_args_support(tx) for tx in txs]
+    names = [rx.pattern for rx, _ in parsed] + ["default"]
 
     def index_of(tree):
         return _assign(_flatten(tree)[0], parsed, default is not None, "param_groups")
 
     def init_fn(params):
-        states = _init_groups(txs, params, index_of(params))
-        _check_loss_scale_covers_all(states, txs, [rx.pattern for rx, _ in parsed])
+        index = index_of(params)
+        states = tuple(
+            optax.EmptyState() if tx is None else tx.init(_only(params, index, g))
+            for g, tx in enumerate(txs)
+        )
+        _checks.loss_scaler_outside("param_groups", names, states, [tx is None for tx in txs])
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
@@ -306,22 +287,16 @@ def freeze(
     _checks.is_transform("inner", inner)
     if isinstance(patterns, (str, re.Pattern)):
         patterns = [patterns]
-    if not isinstance(patterns, Sequence) or not patterns:
-        raise TypeError(f"{patterns=} must be a regex or a non-empty sequence of regexes")
-    compiled = [_checks.regex(f"patterns[{i}]", p) for i, p in enumerate(patterns)]
-    txs = [optax.with_extra_args_support(inner), optax.with_extra_args_support(frozen())]
+    compiled = _checks.regexes("patterns", patterns)
+    txs = [optax.with_extra_args_support(inner), None]  # None: the frozen group runs nothing
 
     def index_of(tree):  # 1: frozen, 0: trained by inner
         names = _flatten(tree)[0]
-        for pattern, rx in zip(patterns, compiled):
-            if not any(rx.search(n) for n in names):
-                raise ValueError(
-                    f"freeze: pattern {pattern!r} matches no parameter. {_listing(names)}"
-                )
+        _checks.patterns_match("freeze", patterns, compiled, names)
         return [int(any(rx.search(n) for rx in compiled)) for n in names]
 
     def init_fn(params):
-        return FreezeState(_init_groups(txs, params, index_of(params))[0])
+        return FreezeState(txs[0].init(_only(params, index_of(params), 0)))
 
     def step(updates, state, params, extra_args, fused):
         _checks.state_of("freeze", state, FreezeState)

@@ -25,7 +25,6 @@ from gradtools import _checks
 __all__ = ["decay_mask", "label_params", "path_names"]
 
 Rules = list[tuple[re.Pattern[str], Any]]
-_MAX_NAMES = 100  # how many names an error message lists
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -37,55 +36,34 @@ def _is_variable(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
-def _key_name(key: Any) -> str:
-    if isinstance(key, jax.tree_util.DictKey):
-        return str(key.key)
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return key.name
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def _is_box(x: Any) -> bool:
-    """Whether ``x`` is a Flax metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``)."""
-    meta = sys.modules.get("flax.core.meta")
-    return meta is not None and isinstance(x, meta.AxisMetadata)
-
-
 _BOXED = jax.tree_util.GetAttrKey("value")
 
 
 def _unboxed(paths: list[tuple[Any, ...]], tree: Any) -> list[tuple[Any, ...]]:
     """``paths`` without the ``value`` field of each Flax metadata box on them.
 
-    ``nn.with_partitioning`` wraps a param in a box whose array is its field
-    ``value``: the kernel is named ``params/Dense_0/kernel``, not
-    ``params/Dense_0/kernel/value``, as it is without partitioning.
+    ``nn.with_partitioning`` wraps a param in a box (``nn.Partitioned``,
+    ``nn.LogicallyPartitioned``) whose array is its field ``value``: the kernel
+    is named ``params/Dense_0/kernel``, not ``params/Dense_0/kernel/value``, as
+    it is without partitioning.
     """
-    if "flax.core.meta" not in sys.modules:
+    meta = sys.modules.get("flax.core.meta")
+    if meta is None:  # no box without flax.core.meta
         return paths
-    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_box(x))[0]
-    boxes = {tuple(path) for path, x in found if _is_box(x)}
-    if not boxes:
-        return paths
-    out = []
-    for path in paths:
-        for n in range(len(path)):
-            if path[n] == _BOXED and tuple(path[:n]) in boxes:
-                path = (*path[:n], *path[n + 1 :])
-                break
-        out.append(tuple(path))
-    return out
+    box = meta.AxisMetadata
+    found = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, box))
+    boxes = {path for path, x in found if isinstance(x, box)}
+    return [
+        tuple(k for n, k in enumerate(path) if not (k == _BOXED and path[:n] in boxes))
+        for path in paths
+    ]
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
     """Path names, leaves (``nnx.Variable``s whole) and treedef of ``tree``."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
     paths = _unboxed([path for path, _ in pairs], tree)
-    names = ["/".join(_key_name(k) for k in path) for path in paths]
+    names = [jax.tree_util.keystr(path, simple=True, separator="/") for path in paths]
     return names, [leaf for _, leaf in pairs], treedef
 
 
@@ -130,33 +108,17 @@ def _parse_rules(rules: Any, arg: str = "rules") -> Rules:
     return parsed
 
 
-def _listing(names: list[str]) -> str:
-    shown = "\n".join(f"  {n}" for n in names[:_MAX_NAMES])
-    more = f"\n  ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
-    return f"The parameter names are:\n{shown}{more}"
-
-
 def _assign(names: list[str], rules: Rules, has_default: bool, caller: str) -> list[int]:
-    """For each name, the index of its first matching rule (``len(rules)``: default)."""
+    """For each name, the index of its first matching rule (``len(rules)``: default).
+
+    Raises:
+      ValueError: if a rule takes no parameter, or a parameter matches no rule
+        while there is no default (:func:`gradtools._checks.rules_match`).
+    """
     index = [
         next((i for i, (rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
     ]
-    unmatched = [n for n, i in zip(names, index) if i == len(rules)]
-    if unmatched and not has_default:
-        raise ValueError(
-            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
-            f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
-        )
-    for i, (rx, _) in enumerate(rules):
-        if i not in index:
-            why = (
-                "every parameter it matches is taken by an earlier rule"
-                if any(rx.search(n) for n in names)
-                else "it matches no parameter"
-            )
-            raise ValueError(
-                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
-            )
+    _checks.rules_match(caller, names, rules, index, has_default)
     return index
 
 

@@ -70,7 +70,7 @@ def _norm(grads: Any, p: Any, shared: bool, extra_args: dict[str, Any]) -> tuple
     if not (shared and jax.tree.leaves(grads)):
         return _global_norm(grads, p), None
     sums = _known(grads, *extra_args.get("square_sums", ([], [])))
-    return jnp.sqrt(_tuning.reduce_scalars(sums, jnp.sum)), sums
+    return jnp.sqrt(jnp.sum(_tuning.stack_scalars(sums))), sums
 
 
 def _sharing(extra_args: dict[str, Any], grads: Any, sums: Any) -> dict[str, Any]:
