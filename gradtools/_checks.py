@@ -6,20 +6,16 @@ the argument takes, such as a transformation or a pytree of arrays) that
 names the argument, shows its value and says what was expected. The numeric
 checks pass traced values, as ``optax.inject_hyperparams`` gives them, without
 looking: their value is unknown when the transform is built; an argument that
-must be static refuses them. The checks of regex rules and patterns against
-the parameter names run at ``init`` and at trace time, when the names are
-known, and list the names.
+must be static refuses them.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -40,18 +36,13 @@ __all__ = [
     "in_open_interval",
     "is_bool",
     "is_transform",
-    "loss_scaler_outside",
     "micro_batch_args",
     "non_negative_int",
     "numeric",
     "numeric_leaves",
     "one_of",
-    "patterns_match",
     "positive_int",
     "real_leaves",
-    "regex",
-    "regexes",
-    "rules_match",
     "scale_bound",
     "scale_bounds",
     "state_of",
@@ -226,18 +217,6 @@ def is_transform(name: str, value: Any) -> None:
     raise TypeError(f"{name}={value!r} must be an optax.GradientTransformation: {hint}")
 
 
-def regex(name: str, value: Any) -> re.Pattern[str]:
-    """Compiles ``value`` as a regular expression (or takes it compiled), or says why it cannot."""
-    if isinstance(value, re.Pattern) and isinstance(value.pattern, str):
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"{name}={value!r} must be a regular expression string, e.g. r'conv'")
-    try:
-        return re.compile(value)
-    except re.error as err:
-        raise ValueError(f"{name}={value!r} is not a valid regular expression: {err}") from None
-
-
 def float_dtype(name: str, value: Any) -> None:
     """Checks that ``value`` names a floating-point dtype (an array does not)."""
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
@@ -258,6 +237,17 @@ def hashable(name: str, value: Any) -> None:
     """Checks that ``value`` is ``None`` or hashable, as axis names must be."""
     if value is not None and not isinstance(value, Hashable):
         raise TypeError(f"{name}={value!r} must be a hashable axis name, e.g. 'batch', or None")
+
+
+def every_k(value: Any, noise_scale: Any) -> None:
+    """Checks ``every_k``: a static int >= 1 (>= 2 with ``noise_scale``) or a callable."""
+    is_bool("noise_scale", noise_scale)
+    if callable(value):
+        return
+    static("every_k", value, "it decides the structure of the state")
+    positive_int("every_k", value)
+    if noise_scale and int(value) == 1:
+        raise ValueError("noise_scale=True needs windows of 2 or more micro-batches: every_k=1")
 
 
 def numeric(x: Any) -> bool:
@@ -383,17 +373,6 @@ def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> 
         )
 
 
-def every_k(value: Any, noise_scale: Any) -> None:
-    """Checks ``every_k``: a static int >= 1 (>= 2 with ``noise_scale``) or a callable."""
-    is_bool("noise_scale", noise_scale)
-    if callable(value):
-        return
-    static("every_k", value, "it decides the structure of the state")
-    positive_int("every_k", value)
-    if noise_scale and int(value) == 1:
-        raise ValueError("noise_scale=True needs windows of 2 or more micro-batches: every_k=1")
-
-
 def micro_batch_args(weight: Any, flush: Any) -> None:
     """Checks ``accumulate``'s ``weight`` (a real scalar) and ``flush`` (a scalar bool)."""
     if not numeric(weight):
@@ -414,85 +393,4 @@ def window_size(size: Any) -> None:
         raise ValueError(
             f"every_k(windows_closed) returned {jnp.result_type(size)}: return an int, "
             "e.g. jnp.int32(...) or x.astype(jnp.int32)"
-        )
-
-
-def regexes(name: str, value: Any) -> list[re.Pattern[str]]:
-    """Compiles each of ``value``, a non-empty sequence of regexes, as :func:`regex` does.
-
-    For an argument that takes one regex or a sequence of them: the caller
-    puts a single one in a list first.
-    """
-    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-        raise TypeError(f"{name}={value!r} must be a regex or a non-empty sequence of regexes")
-    return [regex(f"{name}[{i}]", v) for i, v in enumerate(value)]
-
-
-_MAX_NAMES = 100  # how many parameter names an error message lists
-
-
-def _listing(names: list[str]) -> str:
-    shown = "\n".join(f"  {n}" for n in names[:_MAX_NAMES])
-    more = f"\n  ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
-    return f"The parameter names are:\n{shown}{more}"
-
-
-def rules_match(
-    caller: str,
-    names: list[str],
-    rules: list[tuple[re.Pattern[str], Any]],
-    index: list[int],
-    has_default: bool,
-) -> None:
-    """Raises unless every rule takes a parameter and, without a default, every parameter has one.
-
-    ``index`` holds each name's first matching rule (``len(rules)``: none). The
-    message lists the parameter names, so that a typo never trains everything silently.
-    """
-    unmatched = [n for n, i in zip(names, index) if i == len(rules)]
-    if unmatched and not has_default:
-        raise ValueError(
-            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
-            f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
-        )
-    for i, (rx, _) in enumerate(rules):
-        if i not in index:
-            why = (
-                "every parameter it matches is taken by an earlier rule"
-                if any(rx.search(n) for n in names)
-                else "it matches no parameter"
-            )
-            raise ValueError(
-                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
-            )
-
-
-def patterns_match(
-    caller: str, patterns: Sequence[Any], compiled: list[re.Pattern[str]], names: list[str]
-) -> None:
-    """Raises unless each of ``patterns`` (compiled: ``compiled``) matches one of ``names``."""
-    for pattern, rx in zip(patterns, compiled):
-        if not any(rx.search(n) for n in names):
-            raise ValueError(
-                f"{caller}: pattern {pattern!r} matches no parameter. {_listing(names)}"
-            )
-
-
-def loss_scaler_outside(
-    caller: str, names: list[str], states: Sequence[Any], frozen: list[bool]
-) -> None:
-    """Raises unless a group whose state holds a loss scaler leaves every other group frozen.
-
-    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
-    scaler inside one group unscales only that group's. ``names`` and
-    ``frozen`` tell each group's name and whether it is frozen.
-    """
-    scaled = [g for g, s in enumerate(states) if optax.tree.get_all_with_path(s, "LossScaleState")]
-    unscaled = [g for g in range(len(states)) if g not in scaled and not frozen[g]]
-    if scaled and unscaled:
-        raise ValueError(
-            f"{caller}: the group {names[scaled[0]]!r} holds a loss scaler, but "
-            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
-            "loss that nothing unscales. Put the loss scaler outside: "
-            f"dynamic_loss_scale({caller}(...))"
         )

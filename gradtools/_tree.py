@@ -56,12 +56,10 @@ def zeros_like(tree: Any) -> Any:
     """
 
     def zeros(x: Any) -> jax.Array:
-        traced = _checks.traced(x) or not isinstance(x, jax.Array)
         t = jax.typeof(x) if isinstance(x, jax.Array) else x
         out = jnp.zeros_like(x) if isinstance(x, jax.Array) else jnp.zeros(t.shape, t.dtype)
-        sharding = getattr(t, "sharding", None)
-        if traced and any(getattr(sharding, "spec", ())):
-            out = jax.sharding.reshard(out, sharding)
+        if _checks.traced(out) and any(getattr(getattr(t, "sharding", None), "spec", ())):
+            out = jax.sharding.reshard(out, t.sharding)
         return match_types(out, t)
 
     return jax.tree.map(zeros, tree)
@@ -83,8 +81,7 @@ def match_types(tree: Any, types: Any) -> Any:
 
     def one(x: Any, like: Any) -> Any:
         x = jnp.asarray(x)  # an optax state may hold a Python number
-        if jnp.dtype(x.dtype) != jnp.dtype(like.dtype):
-            x = x.astype(like.dtype)
+        x = x if x.dtype == like.dtype else x.astype(like.dtype)  # keeps a weak type
         missing = tuple(varying(like) - varying(jax.typeof(x)))
         if not missing:
             return x

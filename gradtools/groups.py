@@ -29,6 +29,7 @@ import optax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _name_checks
 from gradtools import _tree
 from gradtools.naming import _assign
 from gradtools.naming import _flatten
@@ -220,7 +221,7 @@ def param_groups(
             optax.EmptyState() if tx is None else tx.init(_only(params, index, g))
             for g, tx in enumerate(txs)
         )
-        _checks.loss_scaler_outside("param_groups", names, states, [tx is None for tx in txs])
+        _name_checks.loss_scaler_outside("param_groups", names, states, [tx is None for tx in txs])
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
@@ -287,12 +288,12 @@ def freeze(
     _checks.is_transform("inner", inner)
     if isinstance(patterns, (str, re.Pattern)):
         patterns = [patterns]
-    compiled = _checks.regexes("patterns", patterns)
+    compiled = _name_checks.regexes("patterns", patterns)
     txs = [optax.with_extra_args_support(inner), None]  # None: the frozen group runs nothing
 
     def index_of(tree):  # 1: frozen, 0: trained by inner
         names = _flatten(tree)[0]
-        _checks.patterns_match("freeze", patterns, compiled, names)
+        _name_checks.patterns_match("freeze", patterns, compiled, names)
         return [int(any(rx.search(n) for rx in compiled)) for n in names]
 
     def init_fn(params):

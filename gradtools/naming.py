@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gradtools import _checks
+from gradtools import _name_checks
 
 __all__ = ["decay_mask", "label_params", "path_names"]
 
@@ -104,7 +104,7 @@ def _parse_rules(rules: Any, arg: str = "rules") -> Rules:
     for i, rule in enumerate(rules):
         if not isinstance(rule, (tuple, list)) or len(rule) != 2:
             raise TypeError(f"{arg}[{i}]={rule!r} must be a (regex, value) pair")
-        parsed.append((_checks.regex(f"{arg}[{i}][0]", rule[0]), rule[1]))
+        parsed.append((_name_checks.regex(f"{arg}[{i}][0]", rule[0]), rule[1]))
     return parsed
 
 
@@ -113,12 +113,12 @@ def _assign(names: list[str], rules: Rules, has_default: bool, caller: str) -> l
 
     Raises:
       ValueError: if a rule takes no parameter, or a parameter matches no rule
-        while there is no default (:func:`gradtools._checks.rules_match`).
+        while there is no default (:func:`gradtools._name_checks.rules_match`).
     """
     index = [
         next((i for i, (rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
     ]
-    _checks.rules_match(caller, names, rules, index, has_default)
+    _name_checks.rules_match(caller, names, rules, index, has_default)
     return index
 
 

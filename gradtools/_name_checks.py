@@ -1,0 +1,114 @@
+"""Checks of regex rules and patterns against parameter names, at ``init`` and at trace time.
+
+Like :mod:`gradtools._checks`, it holds argument checks and nothing else. The
+messages list the names, so that a typo never trains everything silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import optax
+
+__all__ = [
+    "loss_scaler_outside",
+    "patterns_match",
+    "regex",
+    "regexes",
+    "rules_match",
+]
+
+
+def regex(name: str, value: Any) -> re.Pattern[str]:
+    """Compiles ``value`` as a regular expression (or takes it compiled), or says why it cannot."""
+    if isinstance(value, re.Pattern) and isinstance(value.pattern, str):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a regular expression string, e.g. r'conv'")
+    try:
+        return re.compile(value)
+    except re.error as err:
+        raise ValueError(f"{name}={value!r} is not a valid regular expression: {err}") from None
+
+
+def regexes(name: str, value: Any) -> list[re.Pattern[str]]:
+    """Compiles each of ``value``, a non-empty sequence of regexes, as :func:`regex` does.
+
+    For an argument that takes one regex or a sequence of them: the caller
+    puts a single one in a list first.
+    """
+    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+        raise TypeError(f"{name}={value!r} must be a regex or a non-empty sequence of regexes")
+    return [regex(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+_MAX_NAMES = 100  # how many parameter names an error message lists
+
+
+def _listing(names: list[str]) -> str:
+    shown = "\n".join(f"  {n}" for n in names[:_MAX_NAMES])
+    more = f"\n  ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
+    return f"The parameter names are:\n{shown}{more}"
+
+
+def rules_match(
+    caller: str,
+    names: list[str],
+    rules: list[tuple[re.Pattern[str], Any]],
+    index: list[int],
+    has_default: bool,
+) -> None:
+    """Raises unless every rule takes a parameter and, without a default, every parameter has one.
+
+    ``index`` holds each name's first matching rule (``len(rules)``: none). The
+    message lists the parameter names, so that a typo never trains everything silently.
+    """
+    unmatched = [n for n, i in zip(names, index) if i == len(rules)]
+    if unmatched and not has_default:
+        raise ValueError(
+            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
+            f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
+        )
+    for i, (rx, _) in enumerate(rules):
+        if i not in index:
+            why = (
+                "every parameter it matches is taken by an earlier rule"
+                if any(rx.search(n) for n in names)
+                else "it matches no parameter"
+            )
+            raise ValueError(
+                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
+            )
+
+
+def patterns_match(
+    caller: str, patterns: Sequence[Any], compiled: list[re.Pattern[str]], names: list[str]
+) -> None:
+    """Raises unless each of ``patterns`` (compiled: ``compiled``) matches one of ``names``."""
+    for pattern, rx in zip(patterns, compiled):
+        if not any(rx.search(n) for n in names):
+            raise ValueError(
+                f"{caller}: pattern {pattern!r} matches no parameter. {_listing(names)}"
+            )
+
+
+def loss_scaler_outside(
+    caller: str, names: list[str], states: Sequence[Any], frozen: list[bool]
+) -> None:
+    """Raises unless a group whose state holds a loss scaler leaves every other group frozen.
+
+    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
+    scaler inside one group unscales only that group's. ``names`` and
+    ``frozen`` tell each group's name and whether it is frozen.
+    """
+    scaled = [g for g, s in enumerate(states) if optax.tree.get_all_with_path(s, "LossScaleState")]
+    unscaled = [g for g in range(len(states)) if g not in scaled and not frozen[g]]
+    if scaled and unscaled:
+        raise ValueError(
+            f"{caller}: the group {names[scaled[0]]!r} holds a loss scaler, but "
+            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
+            "loss that nothing unscales. Put the loss scaler outside: "
+            f"dynamic_loss_scale({caller}(...))"
+        )
