@@ -101,6 +101,7 @@ class _Accumulate:
         return jnp.maximum(jnp.asarray(size).astype(jnp.int32), 1)
 
     def init(self, params: Any) -> AccumulateState:
+        """An empty window (no buffer with ``every_k=1``) and ``inner``'s state."""
         # zeros_like: laid out like the param, as optax lays out its moments
         zeros = jax.tree.map(lambda p: jnp.zeros_like(p, self.dtype), params)
         return AccumulateState(
@@ -115,6 +116,7 @@ class _Accumulate:
         )
 
     def step(self, grads, state, params, extra_args, fused):
+        """One micro-step: ``(updates, state)``, or fused ``(params, state)`` (see ``_apply``)."""
         _checks.state_of("accumulate", state, AccumulateState)
         extra_args = dict(extra_args)  # weight and flush are accumulate's, the rest inner's
         weight, flush = extra_args.pop("weight", 1.0), extra_args.pop("flush", False)

@@ -112,6 +112,7 @@ def _half_leaves(tree: Any) -> list[Any]:
 
 
 def _init(inner: optax.GradientTransformation, init_scale: Any, params: Any) -> LossScaleState:
+    """The state before the first step: the scale is ``init_scale`` and nothing is counted."""
     return LossScaleState(
         # A copy: an array init_scale (inject_hyperparams keeps one) must not
         # share its buffer with the state, or donating the state fails.
