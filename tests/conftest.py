@@ -106,3 +106,24 @@ def scale_by_factor():
         return jax.tree.map(lambda u: u * factor, updates), state
 
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.fixture
+def weighted_step():
+    """``make(tx, fused)``: a jitted ``step(params, state, grads, weight, flush)``.
+
+    It runs ``tx.update`` then ``optax.apply_updates``, or with ``fused``
+    ``gradtools.apply_gradients``, and returns ``(params, state)``.
+    """
+    import gradtools
+
+    def make(tx, fused):
+        def step(p, s, g, w, f):
+            if fused:
+                return gradtools.apply_gradients(tx, g, s, p, weight=w, flush=f)
+            u, s = tx.update(g, s, p, weight=w, flush=f)
+            return optax.apply_updates(p, u), s
+
+        return jax.jit(step)
+
+    return make

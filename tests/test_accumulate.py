@@ -470,17 +470,10 @@ def np_scheduled_run(p0, grads, weights, flushes, schedule, lr):
     return params, closed
 
 
-def scheduled_run(tx, p0, grads, weights, flushes, fused, restore_at=None):
+def scheduled_run(step, tx, p0, grads, weights, flushes, restore_at=None):
     """Params after every micro-step; the state goes through flax bytes at ``restore_at``."""
     import flax.serialization
 
-    def step(p, s, g, w, f):
-        if fused:
-            return gradtools.apply_gradients(tx, g, s, p, weight=w, flush=f)
-        u, s = tx.update(g, s, p, weight=w, flush=f)
-        return optax.apply_updates(p, u), s
-
-    step = jax.jit(step)
     p, s, out = jnp.asarray(p0), tx.init(jnp.asarray(p0)), []
     for i, (g, w, f) in enumerate(zip(grads, weights, flushes)):
         if i == restore_at:
@@ -491,20 +484,23 @@ def scheduled_run(tx, p0, grads, weights, flushes, fused, restore_at=None):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
-def test_scheduled_windows_match_numpy_with_weights_flush_and_a_restored_checkpoint(fused):
+def test_scheduled_windows_match_numpy_with_weights_flush_and_a_restored_checkpoint(
+    fused, weighted_step
+):
     n = 21
     grads = [jnp.asarray(RNG.normal(size=3), jnp.float32) for _ in range(n)]
     weights = [float(w) for w in RNG.integers(1, 9, size=n)]
     flushes = [i == 6 for i in range(n)]  # closes the 4-window after 3 micro-batches
     tx = gradtools.accumulate(optax.sgd(0.5), ramp)
     want, closed = np_scheduled_run(W0, grads, weights, flushes, np_ramp, 0.5)
-    got, state = scheduled_run(tx, W0, grads, weights, flushes, fused)
+    step = weighted_step(tx, fused)
+    got, state = scheduled_run(step, tx, W0, grads, weights, flushes)
     np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6, atol=1e-7)
     # windows of 2, 2, then 3 cut by the flush, then 4, 4, 4 and 2 still open
     assert closed == int(state.windows_closed) == 6
     assert int(state.micro_step) == 2 and int(state.window_size) == 4
     # A checkpoint restored in the middle of the 4-window after the flush goes on bit for bit.
-    resumed, resumed_state = scheduled_run(tx, W0, grads, weights, flushes, fused, restore_at=9)
+    resumed, resumed_state = scheduled_run(step, tx, W0, grads, weights, flushes, restore_at=9)
     chex.assert_trees_all_equal(resumed, got)
     chex.assert_trees_all_equal(resumed_state, state)
 

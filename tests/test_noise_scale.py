@@ -45,14 +45,8 @@ def np_noise_scale(grads, weights, flushes, every_k, decay=0.99):
     return np.array(out)
 
 
-def run(tx, params, grads, weights, flushes, fused=False):
-    def step(p, s, g, w, f):
-        if fused:
-            return gradtools.apply_gradients(tx, g, s, p, weight=w, flush=f)
-        u, s = tx.update(g, s, p, weight=w, flush=f)
-        return optax.apply_updates(p, u), s
-
-    step = jax.jit(step)
+def run(step, tx, params, grads, weights, flushes):
+    """The metrics ``KEYS`` after each micro-step of ``step`` (a ``weighted_step``); the state."""
     state, out = tx.init(params), []
     for g, w, f in zip(grads, weights, flushes):
         params, state = step(params, state, g, jnp.float32(w), jnp.asarray(f))
@@ -67,7 +61,7 @@ def ramp(n):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize("every_k", [4, ramp], ids=["every_k=4", "schedule"])
-def test_statistics_match_the_formulas_step_by_step(every_k, fused):
+def test_statistics_match_the_formulas_step_by_step(every_k, fused, weighted_step):
     rng = np.random.default_rng(1)
     params = {"a": jnp.zeros((3, 2)), "b": jnp.zeros(5)}
     grads = [
@@ -79,7 +73,7 @@ def test_statistics_match_the_formulas_step_by_step(every_k, fused):
     weights[5] = weights[26] = 0.0  # these micro-batches do not count
     flushes = [i in (8, 17, 29) for i in range(40)]
     tx = gradtools.accumulate(optax.sgd(0.1), every_k, noise_scale=True)
-    got, state = run(tx, params, grads, weights, flushes, fused)
+    got, state = run(weighted_step(tx, fused), tx, params, grads, weights, flushes)
     schedule = (lambda n: every_k) if isinstance(every_k, int) else (lambda n: 3 if n < 2 else 4)
     want = np_noise_scale(grads, weights, flushes, schedule)
     assert np.count_nonzero(np.diff(want[:, 0])) >= 6  # several windows gave estimates
@@ -87,7 +81,7 @@ def test_statistics_match_the_formulas_step_by_step(every_k, fused):
     assert state.noise_stats.g2_ema.dtype == jnp.float32
 
 
-def test_loss_scaler_outside_gives_the_statistics_of_the_unscaled_gradients():
+def test_loss_scaler_outside_gives_the_statistics_of_the_unscaled_gradients(weighted_step):
     rng = np.random.default_rng(2)
     true = [jnp.asarray(rng.normal(size=4) + 1, jnp.float32) for _ in range(12)]
     plain = gradtools.accumulate(optax.sgd(0.1), 3, noise_scale=True)
@@ -95,7 +89,7 @@ def test_loss_scaler_outside_gives_the_statistics_of_the_unscaled_gradients():
     state, update = scaled.init(jnp.zeros(4)), jax.jit(scaled.update)
     for g in true:
         _, state = update(g * gradtools.loss_scale(state), state, jnp.zeros(4))
-    want, _ = run(plain, jnp.zeros(4), true, [1.0] * 12, [False] * 12)
+    want, _ = run(weighted_step(plain, False), plain, jnp.zeros(4), true, [1.0] * 12, [False] * 12)
     got = gradtools.metrics(state)
     np.testing.assert_array_equal([float(got[k]) for k in KEYS], want[-1])
     assert want[-1][0] != 0.0
@@ -132,10 +126,10 @@ def test_noise_scale_estimates_the_true_one_on_synthetic_gradients(weights):
     assert float(m["grad_sq_norm"]) == pytest.approx(g_sq, rel=0.15)
 
 
-def test_a_window_of_one_micro_batch_gives_no_estimate():
+def test_a_window_of_one_micro_batch_gives_no_estimate(weighted_step):
     tx = gradtools.accumulate(optax.sgd(0.1), 3, noise_scale=True)
     grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, 1.0])]
-    got, state = run(tx, jnp.zeros(2), grads, [1.0, 1.0], [True, True])
+    got, state = run(weighted_step(tx, False), tx, jnp.zeros(2), grads, [1.0, 1.0], [True, True])
     np.testing.assert_array_equal(got, np.zeros((2, 3)))
     assert float(state.noise_stats.ema_weight) == 0.0
     assert int(state.noise_stats.window_micro_batches) == 0  # cleared by each flush
