@@ -239,9 +239,8 @@ def hashable(name: str, value: Any) -> None:
         raise TypeError(f"{name}={value!r} must be a hashable axis name, e.g. 'batch', or None")
 
 
-def every_k(value: Any, noise_scale: Any) -> None:
+def every_k(value: Any, noise_scale: bool) -> None:
     """Checks ``every_k``: a static int >= 1 (>= 2 with ``noise_scale``) or a callable."""
-    is_bool("noise_scale", noise_scale)
     if callable(value):
         return
     static("every_k", value, "it decides the structure of the state")

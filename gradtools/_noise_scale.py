@@ -87,8 +87,11 @@ def close(
     def ema(avg: jax.Array, x: jax.Array) -> jax.Array:
         return jnp.where(ok, decay * avg + (1 - decay) * x, avg)
 
-    cleared = _tree.zeros_like(state)  # varying over shard_map axes as the state does
-    return cleared._replace(
+    # zeros that vary over shard_map axes as the window's sums do
+    sq_norms, micro_batches = _tree.zeros_like((state.window_sq_norms, state.window_micro_batches))
+    return NoiseScaleState(
+        window_sq_norms=sq_norms,
+        window_micro_batches=micro_batches,
         g2_ema=ema(state.g2_ema, g2),
         s_ema=ema(state.s_ema, s),
         ema_weight=ema(state.ema_weight, jnp.ones([], jnp.float32)),

@@ -308,6 +308,7 @@ def accumulate(
       accumulation with ``accu_overflow``.
     """
     _checks.is_transform("inner", inner)
+    _checks.is_bool("noise_scale", noise_scale)
     _checks.every_k(every_k, noise_scale)
     _checks.is_bool("average", average)
     _checks.float_dtype("dtype", dtype)
