@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gradtools import _apply
 from gradtools import _tree
@@ -65,33 +66,40 @@ def cond_through_buffer(
 ) -> tuple[Any, Any, Any]:
     """``step(buffer)`` where ``pred`` holds, its updates leaving through ``buffer``'s output.
 
-    Returns ``(updates, buffer, state)``; zero updates and ``buffer``, ``state``
-    unchanged where ``pred`` does not hold. Updates typed like ``buffer`` take
-    its place, so that a skipped step writes no zeros to an output of their
-    own (on XLA:CPU a temporary faulted in on every call); ``buffer`` then
-    holds them.
+    Returns ``(updates, buffer, state)``: where ``pred`` holds, ``step``'s
+    updates and state and a cleared (zero) buffer; elsewhere zero updates and
+    ``buffer`` and ``state`` as they were. Updates that ``buffer``'s dtypes
+    hold exactly take its place in the branch, so that a skipped step writes
+    no zeros to an output of their own (on XLA:CPU a temporary faulted in on
+    every call); one pass after the branch then gives both the updates and
+    the cleared buffer.
     """
-    stashed: list[bool] = []
+    types: list[Any] = []
 
     def run(buffer: Any) -> Any:
         updates, new_state = step(buffer)
-        types = jax.tree.map(jax.typeof, (updates, buffer))
-        stashed.append(
-            jax.tree.structure(types[0]) == jax.tree.structure(types[1])
-            and all(
-                (u.shape, u.dtype) == (b.shape, b.dtype)
-                for u, b in zip(*map(jax.tree.leaves, types))
-            )
-        )
-        return (updates, new_state, ()) if stashed[-1] else (buffer, new_state, updates)
+        types.append(jax.tree.map(jax.typeof, updates))
+        if not _holds(buffer, types[-1]):
+            return buffer, new_state, updates
+        return jax.tree.map(lambda u, b: u.astype(b.dtype), updates, buffer), new_state, ()
 
-    def hold(types: Any, buffer: Any) -> Any:
-        return buffer, state, _tree.zeros_like(types[2])
+    def hold(like: Any, buffer: Any) -> Any:
+        return buffer, state, _tree.zeros_like(like[2])
 
     slot, state, updates = _apply.cond(pred, run, hold, buffer)
-    if stashed[-1]:
-        updates = jax.tree.map(lambda u: jnp.where(pred, u, jnp.zeros([], u.dtype)), slot)
-    return updates, slot, state
+    if _holds(buffer, types[-1]):
+        updates = jax.tree.map(lambda s, t: jnp.where(pred, s, 0).astype(t.dtype), slot, types[-1])
+    cleared = jax.tree.map(lambda s: jnp.where(pred, jnp.zeros([], s.dtype), s), slot)
+    return updates, cleared, state
+
+
+def _holds(buffer: Any, types: Any) -> bool:
+    """Whether ``buffer``'s leaves can hold arrays of ``types`` exactly (same tree and shapes)."""
+    leaves = jax.tree.leaves(buffer)
+    return jax.tree.structure(buffer) == jax.tree.structure(types) and all(
+        b.shape == t.shape and np.can_cast(t.dtype, b.dtype, casting="safe")
+        for b, t in zip(leaves, jax.tree.leaves(types))
+    )
 
 
 def distinct_scalars(value: jax.Array, leaves: list[Any]) -> list[jax.Array]:

@@ -55,11 +55,12 @@ class AccumulateState(NamedTuple):
       window_weight: the total weight of the micro-batches in the open window.
       dropped_micro_steps: micro-steps left out because their gradients were
         not finite (``on_nonfinite="skip_microstep"`` only).
-      acc_grads: while a window is open (``micro_step > 0``), the weighted sum
-        of its gradients, in the accumulation ``dtype``; ``()`` when
-        ``every_k=1``. Between windows it is scratch that the next micro-step
-        discards (it holds what the last window left: its sum, or through
-        ``update`` the updates it produced).
+      acc_grads: the weighted sum of the open window's gradients, in the
+        accumulation ``dtype``; ``()`` when ``every_k=1``. ``update`` clears
+        it (to zeros) when a window closes. ``gradtools.apply_gradients``
+        leaves the closed window's sum in it, which the next micro-step
+        replaces: clearing it there would cost a pass over the buffer on
+        every micro-step.
       inner_state: the state of the wrapped transformation.
       windows_closed: with a scheduled ``every_k``, the windows closed so far
         (by ``every_k`` or by ``flush``) that held at least one micro-step,

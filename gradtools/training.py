@@ -43,9 +43,10 @@ def apply_gradients(
     group) returns the params as they were. Any other ``tx`` (an
     ``optax.chain``, ``optax.inject_hyperparams`` or a wrapper of your own,
     even around a gradtools wrapper) runs the two lines above. The new state is
-    the one ``tx.update`` returns, but for the scratch an accumulation buffer
-    holds between windows. :func:`train_step` and :class:`gradtools.TrainState`
-    call this.
+    the one ``tx.update`` returns, but for an accumulation buffer between
+    windows: ``tx.update`` clears it, this leaves the closed window's sum
+    there, which the next micro-step replaces. :func:`train_step` and
+    :class:`gradtools.TrainState` call this.
 
     Args:
       tx: any ``optax.GradientTransformation``.

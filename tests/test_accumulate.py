@@ -246,6 +246,44 @@ def test_propagate_hands_nan_window_on_and_next_window_is_clean():
     assert int(state.dropped_micro_steps) == 0
 
 
+@pytest.mark.parametrize(
+    "pdtype, dtype",
+    [
+        (jnp.float32, jnp.float32),
+        (jnp.bfloat16, jnp.float32),
+        (jnp.float16, jnp.float32),
+        (jnp.float32, jnp.bfloat16),  # updates the buffer cannot hold: they leave on their own
+    ],
+    ids=["f32", "bf16-params", "f16-params", "bf16-buffer"],
+)
+def test_update_clears_the_buffer_when_a_window_closes(pdtype, dtype):
+    """``acc_grads`` holds the open window's weighted sum, and zeros once it closes.
+
+    The NaN window is handed on (``"propagate"``) and cleared by selection: no
+    NaN survives into the next window's sum.
+    """
+    vals = [[1.0, jnp.nan], [2.0, 3.0], [0.5, 1.5], [4.0, 2.0], [1.0, 1.0]]
+    weights, flushes = [1.0, 2.0, 1.0, 3.0, 2.0], [False, False, False, False, True]
+    tx = gradtools.accumulate(optax.sgd(1.0), 2, dtype=dtype)
+    params = jnp.zeros(2, pdtype)
+    update, state = jax.jit(tx.update), tx.init(params)
+    acc, total = np.zeros(2), 0.0  # the NumPy reference of the open window
+    for v, w, flush in zip(vals, weights, flushes):
+        g = jnp.asarray(v, pdtype)
+        u, state = update(g, state, params, weight=jnp.float32(w), flush=jnp.asarray(flush))
+        acc, total = acc + w * np.asarray(g, np.float64), total + w
+        assert u.dtype == jnp.dtype(pdtype) and state.acc_grads.dtype == jnp.dtype(dtype)
+        if int(state.micro_step) == 0:  # the window closed
+            eps = float(jnp.finfo(jnp.dtype(pdtype)).eps)  # XLA divides through the reciprocal
+            np.testing.assert_allclose(np.asarray(u, np.float64), -acc / total, rtol=eps)
+            np.testing.assert_array_equal(np.asarray(state.acc_grads, np.float64), [0.0, 0.0])
+            acc, total = np.zeros(2), 0.0
+        else:
+            np.testing.assert_array_equal(np.asarray(u, np.float64), [0.0, 0.0])
+            want_acc = acc.astype(jnp.dtype(dtype)).astype(np.float64)
+            np.testing.assert_array_equal(np.asarray(state.acc_grads, np.float64), want_acc)
+
+
 def test_zero_negative_and_nan_weights_never_give_nan():
     tx = gradtools.accumulate(optax.adam(0.1), 2)
     params = jnp.zeros(2)

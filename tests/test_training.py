@@ -412,10 +412,10 @@ _MICRO_STEPS = {
 
 
 def _live(state):
-    """``state`` with each closed window's buffer zeroed: its stale content is never read.
+    """``state`` with each closed window's buffer zeroed, as ``update`` leaves it.
 
-    Between windows ``update`` leaves the last updates there, ``apply_gradients``
-    the last sum; the next micro-step overwrites either.
+    Between windows ``apply_gradients`` leaves the last window's sum there,
+    which the next micro-step replaces.
     """
 
     def clear(s):
