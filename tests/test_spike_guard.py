@@ -225,7 +225,9 @@ def test_metrics_grad_norm_is_that_of_the_first_to_see_the_gradients():
     small = [{"w": jnp.array([3.0, 4.0])}] * 2
     # The guard outside the clip: the norm before the guard, not the clip's after it.
     m, state = after(gradtools.spike_guard(clip_adam(), warmup_steps=2), [*small, g])
-    assert float(m["grad_norm"]) == 50.0 and float(state.inner_state[0].grad_norm) == 5.0
+    # (5.0 to float32 rounding: XLA:GPU rescales [30, 40] to a norm of 4.9999995)
+    assert float(m["grad_norm"]) == 50.0
+    assert float(state.inner_state[0].grad_norm) == pytest.approx(5.0, rel=1e-6)
     assert sorted(m) == ["grad_norm", "norm_mean", "norm_std", "spikes"]
     # The clip outside the guard: the clip's, before clipping.
     tx = optax.chain(gradtools.clip_by_global_norm(4.0), gradtools.spike_guard(optax.sgd(1.0)))
