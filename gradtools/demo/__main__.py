@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from gradtools.demo.config import LOSS_SCALES
 from gradtools.demo.config import OPTIMIZERS
 from gradtools.demo.config import SCHEDULES
 from gradtools.demo.config import Config
-from gradtools.demo.config import ConfigError
-from gradtools.demo.data import DataError
 from gradtools.demo.model import DTYPES
+from gradtools.demo.runtime import add_host_options
+from gradtools.demo.runtime import parse_args
+from gradtools.demo.runtime import run_main
 from gradtools.demo.train import train_and_evaluate
 
 __all__ = ["main", "parser"]
@@ -154,16 +154,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print each skipped step and the parameters whose gradients overflowed",
     )
-    hosts = p.add_argument_group(
-        "several hosts (jax.distributed)",
-        "Every process runs this command on the same data and trains on its own share\n"
-        "of each batch; process 0 also runs the coordinator, and alone prints, plots\n"
-        "and writes the checkpoint (put --checkpoint-dir on a shared file system).",
-    )
-    h = hosts.add_argument
-    h("--coordinator", metavar="HOST:PORT", help="process 0's address, the same for all")
-    h("--num-processes", type=int, metavar="N", help="how many processes take part")
-    h("--process-id", type=int, metavar="I", help="this process's number, 0 to N-1")
+    add_host_options(p)
     return p
 
 
@@ -176,32 +167,6 @@ def _clip_norm(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'none'") from None
 
 
-def _initialize_distributed(args: argparse.Namespace) -> None:
-    """Calls ``jax.distributed.initialize`` when a multi-host option is given.
-
-    On clusters that JAX recognises (Cloud TPU, SLURM, ...) the options left
-    out are found there; elsewhere all three are needed.
-    """
-    given = {
-        "coordinator_address": args.coordinator,
-        "num_processes": args.num_processes,
-        "process_id": args.process_id,
-    }
-    if all(v is None for v in given.values()):
-        return
-    n, i = args.num_processes, args.process_id
-    if args.coordinator is not None and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", args.coordinator):
-        raise ConfigError(f"--coordinator {args.coordinator}: expected HOST:PORT")
-    if n is not None and n < 1:
-        raise ConfigError(f"--num-processes {n}: must be an integer >= 1")
-    if i is not None and (i < 0 or n is not None and i >= n):
-        upper = "" if n is None else f" to {n - 1}"
-        raise ConfigError(f"--process-id {i}: must be an integer from 0{upper}")
-    import jax
-
-    jax.distributed.initialize(**given)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo with the options in ``argv`` (default ``sys.argv[1:]``).
 
@@ -211,11 +176,7 @@ def main(argv: list[str] | None = None) -> int:
       saying what is wrong; Ctrl-C exits with 130.
     """
     p = parser()
-    args = p.parse_args(argv)
-    try:
-        _initialize_distributed(args)  # before anything else asks JAX for its devices
-    except ConfigError as e:
-        p.error(str(e))
+    args = parse_args(p, argv)  # and jax.distributed.initialize, before anything else
     config = Config(
         epochs=args.epochs,
         batch_size=args.batch_size,
@@ -237,16 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         verbose=args.verbose,
     )
-    try:
-        train_and_evaluate(config)
-    except ConfigError as e:
-        p.error(str(e))
-    except DataError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_main(p, train_and_evaluate, config)
 
 
 if __name__ == "__main__":

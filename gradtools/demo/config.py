@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-from typing import Any
-
-import jax
 
 from gradtools.demo.model import DTYPES
+from gradtools.demo.runtime import ConfigError
+from gradtools.demo.runtime import check_run
 
 __all__ = [
     "LOSS_SCALES",
@@ -19,7 +17,6 @@ __all__ = [
     "SCHEDULES",
     "Config",
     "ConfigError",
-    "resumed",
     "validate",
 ]
 
@@ -47,10 +44,6 @@ RUN_OPTIONS = (
     "devices",
     "max_steps",
 )
-
-
-class ConfigError(ValueError):
-    """An option has a bad value, or options do not fit together."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +102,6 @@ def validate(config: Config, n_devices: int) -> None:
     lr = config.learning_rate
     need(math.isfinite(lr) and lr > 0, f"--lr {lr}: must be a finite number > 0")
     need(config.warmup_steps >= 0, f"--warmup-steps {config.warmup_steps}: must be >= 0")
-    need(  # numpy's and jax's random keys take 0 to 2**32 - 1
-        0 <= config.seed < 2**32, f"--seed {config.seed}: must be an integer from 0 to 2**32 - 1"
-    )
     need(
         config.schedule != "warmup" or config.warmup_steps > 0,
         "--schedule warmup needs --warmup-steps N with N >= 1",
@@ -123,46 +113,4 @@ def validate(config: Config, n_devices: int) -> None:
             re.compile(pattern)
         except re.error as e:
             raise ConfigError(f"--freeze {pattern!r}: not a regular expression: {e}") from None
-    need(
-        config.devices is None or 1 <= config.devices <= len(jax.devices()),
-        f"devices={config.devices}: this machine has {len(jax.devices())}",
-    )
-    need(
-        config.devices in (None, len(jax.devices())) or jax.process_count() == 1,
-        f"devices={config.devices}: with {jax.process_count()} processes, every device trains",
-    )
-    need(
-        config.batch_size % n_devices == 0,
-        f"--batch-size {config.batch_size} does not split over {n_devices} devices: "
-        f"use a multiple of {n_devices}",
-    )
-    if config.plot is not None:
-        folder = os.path.dirname(os.path.abspath(config.plot))
-        need(config.plot.lower().endswith(".png"), f"--plot {config.plot}: must end in .png")
-        need(os.path.isdir(folder), f"--plot {config.plot}: no directory {folder}")
-
-
-def resumed(config: Config, saved: dict[str, Any]) -> tuple[Config, list[str]]:
-    """Merges a checkpoint's settings with the run options of ``config``.
-
-    Args:
-      config: the settings asked for now.
-      saved: ``dataclasses.asdict`` of the checkpoint's settings.
-
-    Returns:
-      The settings to continue with: the checkpoint's, except for
-      :data:`RUN_OPTIONS`, which come from ``config``; and ``'name=value'``
-      for each setting of ``config`` that is ignored because it differs. A
-      setting left at its default is taken as not asked for, and not listed.
-    """
-    saved = {**saved, "freeze": tuple(saved["freeze"])}
-    merged = Config(**{**saved, **{k: getattr(config, k) for k in RUN_OPTIONS}})
-    defaults = Config()
-    ignored = [
-        f"{k}={getattr(config, k)!r}"
-        for k in saved
-        if k not in RUN_OPTIONS
-        and getattr(config, k) != saved[k]
-        and getattr(config, k) != getattr(defaults, k)
-    ]
-    return merged, ignored
+    check_run(config, n_devices)

@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gradtools.demo.runtime import DataError
+
 __all__ = ["DataError", "Dataset", "epoch_batches", "load", "preprocess"]
 
 # Mean and standard deviation of the MNIST training pixels scaled to [0, 1].
@@ -31,10 +33,6 @@ _IDX_FILES = {
 }
 _MAGIC = {"images": 2051, "labels": 2049}  # 0x0803 (3-d uint8), 0x0801 (1-d uint8)
 _SAMPLE_TEST_PER_CLASS = 100
-
-
-class DataError(ValueError):
-    """A data file is missing, truncated or does not hold what its name says."""
 
 
 class Dataset(NamedTuple):

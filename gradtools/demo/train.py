@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,12 +38,18 @@ from gradtools.demo.checkpoint import Checkpoints
 from gradtools.demo.config import RUN_OPTIONS
 from gradtools.demo.config import Config
 from gradtools.demo.config import ConfigError
-from gradtools.demo.config import resumed
 from gradtools.demo.config import validate
 from gradtools.demo.model import DTYPES
 from gradtools.demo.model import LeNet5
 from gradtools.demo.model import count_params
 from gradtools.demo.optim import make_optimizer
+from gradtools.demo.runtime import CtrlC
+from gradtools.demo.runtime import alive
+from gradtools.demo.runtime import global_batch
+from gradtools.demo.runtime import log
+from gradtools.demo.runtime import record
+from gradtools.demo.runtime import save
+from gradtools.demo.runtime import settings
 
 __all__ = ["Result", "TrainState", "evaluate", "train_and_evaluate", "train_epoch"]
 
@@ -134,20 +137,6 @@ def _programs(config: Config, total_updates: int) -> _Programs:
     )
 
 
-def _global_batch(
-    sharding: NamedSharding, indices: np.ndarray, read: Callable[[np.ndarray], np.ndarray]
-) -> jax.Array:
-    """The rows ``read(indices)``, split over ``sharding``'s devices as one global array.
-
-    Each process reads only the rows its own devices hold.
-    """
-    n = len(indices)
-    held = sharding.addressable_devices_indices_map((n,)).values()  # {device: (slice,)}
-    starts, stops = zip(*(cast(tuple, index)[0].indices(n)[:2] for index in held))
-    local = read(indices[min(starts) : max(stops)])
-    return jax.make_array_from_process_local_data(sharding, local, (n, *local.shape[1:]))
-
-
 def train_epoch(
     programs: _Programs,
     state: TrainState,
@@ -201,8 +190,8 @@ def train_epoch(
     try:
         while state.step < stop and not stop_requested():
             i = state.step - epoch * per_epoch
-            images = _global_batch(programs.split, batches[i], read_images)
-            labels = _global_batch(programs.split, batches[i], read_labels)
+            images = global_batch(programs.split, batches[i], read_images)
+            labels = global_batch(programs.split, batches[i], read_labels)
             update_kwargs = None
             if config.accum_steps > 1:  # the epoch's last batch flushes a partial window
                 update_kwargs = {"flush": np.asarray(i == per_epoch - 1)}
@@ -244,8 +233,8 @@ def evaluate(programs: _Programs, params: Any, images: np.ndarray, labels: np.nd
     correct = 0
     for i in range(0, len(padded), chunk):
         indices = np.arange(i, i + chunk)
-        x = _global_batch(programs.split, indices, lambda rows: data.preprocess(images[rows]))
-        y = _global_batch(programs.split, indices, lambda rows: padded[rows])
+        x = global_batch(programs.split, indices, lambda rows: data.preprocess(images[rows]))
+        y = global_batch(programs.split, indices, lambda rows: padded[rows])
         correct += int(programs.count_correct(params, x, y))
     return 100.0 * correct / len(labels)
 
@@ -275,7 +264,7 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     """
     start = time.perf_counter()
     ckpt = Checkpoints(config.checkpoint_dir) if config.checkpoint_dir else None
-    config, meta = _settings(config, ckpt)
+    config, meta = settings(config, ckpt, RUN_OPTIONS)
     devices = jax.devices()[: config.devices]
     validate(config, len(devices))
     ds = dataset if dataset is not None else data.load(config.data_dir)
@@ -291,16 +280,16 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     if config.eval_only:
         accuracy = evaluate_test(state.params)
         path = ckpt.path(state.step)  # type: ignore[union-attr]
-        _log(
+        log(
             f"test accuracy {accuracy:.2f}% ({len(ds.test_labels):,} digits), "
             f"checkpoint at step {state.step:,}: {path}"
         )
         plot = _plot(history, config.plot)
         if plot:
-            _log(f"plot: {plot}")
+            log(f"plot: {plot}")
         return Result(state.params, state.opt_state, state.step, accuracy, history, path, plot)
 
-    _log(_describe(config, state.params, ds, devices))
+    log(_describe(config, state.params, ds, devices))
     stop = total_steps
     if config.max_steps is not None:
         stop = min(stop, max(config.max_steps, state.step))
@@ -317,14 +306,14 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
         history["epoch"]["train_loss"].append(train_loss)
         history["epoch"]["test_accuracy"].append(accuracy)
         last = {k: history[k][-1] for k in _RECORDED if k in history}
-        _log(
+        log(
             f"epoch {state.step // per_epoch:>{len(str(config.epochs))}}/{config.epochs}  "
             f"{_status({**last, 'loss': train_loss})}  test acc {accuracy:.2f}%  "
             f"[{time.perf_counter() - start:.0f} s]"
         )
 
     try:
-        with _CtrlC() as ctrl_c:
+        with CtrlC() as ctrl_c:
             end_epoch()  # in case a run was stopped between an epoch and its report
             while state.step < stop:
                 ctrl_c.check()
@@ -334,14 +323,14 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
                     programs, state, ds, config, epoch, epoch_stop, lambda: ctrl_c.requested
                 )
                 if _alive(state):
-                    _record(history, metrics)
+                    record(history, metrics, _RECORDED.__contains__)
                 if state.step < epoch_stop:  # Ctrl-C
                     raise KeyboardInterrupt
                 end_epoch()
                 written = _save(ckpt, state, config, per_epoch, history) or written
     except KeyboardInterrupt:
         written = _save(ckpt, state, config, per_epoch, history) if _alive(state) else None
-        _log(
+        log(
             f"interrupted at step {state.step:,}"
             + (f"; checkpoint: {written}; continue with --resume" if written else "")
         )
@@ -352,47 +341,22 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     plot = _plot(history, config.plot)
     elapsed = time.perf_counter() - start
     if stopped:
-        _log(f"stopped at step {state.step:,} of {total_steps:,} after {elapsed:.1f} s")
+        log(f"stopped at step {state.step:,} of {total_steps:,} after {elapsed:.1f} s")
     else:
-        _log(
+        log(
             f"test accuracy {accuracy:.2f}% ({len(ds.test_labels):,} digits) after "
             f"{config.epochs} epoch{'s' * (config.epochs != 1)} ({state.step:,} steps) "
             f"in {elapsed:.1f} s"
         )
     if written is None and ckpt is not None and ckpt.latest_step() == state.step:
         written = ckpt.path(state.step)  # resumed a finished run: nothing new to save
-    _log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
+    log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
     if plot:
-        _log(f"plot: {plot}")
+        log(f"plot: {plot}")
     return Result(state.params, state.opt_state, state.step, accuracy, history, written, plot)
 
 
 # Setting up a run: its settings, and its first state (fresh or from a checkpoint).
-
-
-def _settings(config: Config, ckpt: Checkpoints | None) -> tuple[Config, dict[str, Any] | None]:
-    """The settings to run with, and the newest checkpoint's metadata when resuming."""
-    latest = ckpt.latest_step() if ckpt else None
-    if not (config.resume or config.eval_only):
-        if latest is not None:
-            raise ConfigError(
-                f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint (step "
-                f"{latest}): pass --resume to continue it, or choose another directory"
-            )
-        return config, None
-    if config.resume and config.eval_only:
-        raise ConfigError("--resume and --eval-only exclude each other")
-    if ckpt is None:
-        raise ConfigError(
-            f"{'--resume' if config.resume else '--eval-only'} needs --checkpoint-dir"
-        )
-    if latest is None:
-        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
-    meta = {**ckpt.restore_meta(latest), "step": latest}
-    config, ignored = resumed(config, meta["config"])
-    if ignored and config.resume:
-        _log(f"note: continuing with the checkpoint's settings, not {', '.join(ignored)}")
-    return config, meta
 
 
 def _steps_per_epoch(config: Config, ds: data.Dataset, meta: dict[str, Any] | None) -> int:
@@ -444,17 +408,7 @@ def _program_key(config: Config) -> Config:
 
 
 def _alive(state: TrainState) -> bool:
-    """Whether the state's arrays are intact (not donated to a step that never returned)."""
-    return not any(x.is_deleted() for x in jax.tree.leaves((state.params, state.opt_state)))
-
-
-def _record(history: dict[str, Any], recorded: list[tuple[int, dict[str, jax.Array]]]) -> None:
-    """Appends the metrics of the steps trained to ``history`` (waiting for them)."""
-    steps, records = zip(*jax.device_get(recorded)) if recorded else ((), ())
-    history["step"].extend(steps)
-    for key in _RECORDED:
-        if records and key in records[0]:
-            history.setdefault(key, []).extend(float(r[key]) for r in records)
+    return alive((state.params, state.opt_state))
 
 
 def _save(
@@ -465,12 +419,8 @@ def _save(
     history: dict[str, Any],
 ) -> str | None:
     """Checkpoints the run at ``state.step`` (once), if it has a checkpoint directory."""
-    if ckpt is None:
-        return None
-    if ckpt.latest_step() == state.step:
-        return ckpt.path(state.step)  # saved already (Ctrl-C during a save)
-    meta = {"config": dataclasses.asdict(config), "steps_per_epoch": per_epoch, "history": history}
-    return ckpt.save(state.step, {"params": state.params, "opt_state": state.opt_state}, meta)
+    arrays = {"params": state.params, "opt_state": state.opt_state}
+    return save(ckpt, state.step, arrays, config, steps_per_epoch=per_epoch, history=history)
 
 
 def _plot(history: dict[str, Any], path: str | None) -> str | None:
@@ -491,15 +441,7 @@ def _report_skip(recorded: list[Any], metrics: Any, step: int, opt_state: Any, p
             names = ", ".join(gradtools.nonfinite_leaves(opt_state, params)) or "none"
         except ValueError:  # the scaler sits inside freeze: it saw the trainable params only
             names = f"{int(metrics['nonfinite_leaf_count'])} parameters"
-        _log(f"step {step}: skipped, non-finite gradients in {names}")
-
-
-def _log(message: str) -> None:
-    """Prints a line (on process 0), above any progress bar."""
-    if jax.process_index() == 0:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stdout)
+        log(f"step {step}: skipped, non-finite gradients in {names}")
 
 
 def _describe(config: Config, params: Any, ds: data.Dataset, devices: list[Any]) -> str:
@@ -532,42 +474,3 @@ def _status(m: dict[str, Any]) -> str:
         parts.append(f"scale {float(m['loss_scale']):g}")
         parts.append(f"skipped {int(m['skipped_steps'])}")
     return "  ".join(parts)
-
-
-class _CtrlC:
-    """Defers Ctrl-C (SIGINT) inside its block to the next :meth:`check`.
-
-    A training step is handed the params and optimizer state (donated): a
-    ``KeyboardInterrupt`` raised while it is in flight loses both, and the
-    checkpoint that Ctrl-C promises with them. So the first Ctrl-C only asks
-    to stop, and the loop stops between steps; a second one stops at once.
-    Outside the main thread (where Python delivers signals) nothing changes.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-        self._installed = False
-
-    def __enter__(self) -> _CtrlC:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        # No printing here: a handler that writes to a stream the loop is writing
-        # to raises RuntimeError (a reentrant call) in the middle of the step.
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def check(self) -> None:
-        """Raises ``KeyboardInterrupt`` if a stop was asked for."""
-        if self.requested:
-            raise KeyboardInterrupt
