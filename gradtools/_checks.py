@@ -43,6 +43,7 @@ __all__ = [
     "one_of",
     "positive_int",
     "real_leaves",
+    "real_number",
     "scale_bound",
     "scale_bounds",
     "state_of",
@@ -70,7 +71,8 @@ def static(name: str, value: Any, why: str) -> None:
 MAX_INT32 = 2**31 - 1
 
 
-def _real(name: str, value: Any) -> float:
+def real_number(name: str, value: Any) -> float:
+    """``value`` as a float, refusing strings, bools and complex numbers (NumPy's too)."""
     if isinstance(value, (str, bytes)):  # float('1e-3') would accept them
         raise ValueError(f"{name}={value!r} must be a real number, not a string")
     if isinstance(value, (bool, np.bool_)):  # float(True) would accept them
@@ -89,7 +91,7 @@ def _in_float32(name: str, value: Any, ok: Callable[[float], bool], what: str) -
     """Raises unless ``ok`` holds for ``value`` as the float32 it is computed in."""
     if traced(value):
         return
-    v = _real(name, value)
+    v = real_number(name, value)
     with np.errstate(over="ignore", under="ignore"):
         v32 = float(np.float32(v)) if math.isfinite(v) else v
     if not ok(v32):

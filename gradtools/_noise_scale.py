@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from gradtools import _tree
 from gradtools import _tuning
@@ -60,7 +61,9 @@ def add(state: NoiseScaleState, g_sq_norm: jax.Array, w: jax.Array, take: jax.Ar
     zero = jnp.zeros([], jnp.float32)
     return state._replace(
         window_sq_norms=state.window_sq_norms + jnp.where(take, w * g_sq_norm, zero),
-        window_micro_batches=state.window_micro_batches + take.astype(jnp.int32),
+        window_micro_batches=jnp.where(
+            take, optax.safe_increment(state.window_micro_batches), state.window_micro_batches
+        ),
     )
 
 

@@ -132,7 +132,7 @@ class _Accumulate:
 
         # Add this micro-step.
         window = self.add(state, grads, w, take)
-        micro_step = state.micro_step + finite.astype(jnp.int32)
+        micro_step = jnp.where(finite, optax.safe_increment(state.micro_step), state.micro_step)
         window_weight = state.window_weight + jnp.where(take, w, 0.0)
         size = state.window_size if callable(self.every_k) else self.every_k
         closes = (micro_step >= size) | jnp.asarray(flush)
@@ -176,6 +176,7 @@ class _Accumulate:
     def after(self, state, closes, micro_step, window_weight, finite, window) -> AccumulateState:
         """The counters after this micro-step: a window that closes makes way for the next."""
         windows_closed, window_size = state.windows_closed, state.window_size
+        dropped = state.dropped_micro_steps
         if callable(self.every_k):  # an int every_k needs no count (nor its kernel on a GPU)
             closed = closes & (micro_step > 0)  # it held a micro-step
             n = jnp.where(closed, optax.safe_increment(windows_closed), windows_closed)
@@ -184,7 +185,7 @@ class _Accumulate:
         return state._replace(
             micro_step=jnp.where(closes, 0, micro_step).astype(jnp.int32),
             window_weight=jnp.where(closes, 0.0, window_weight),
-            dropped_micro_steps=state.dropped_micro_steps + (~finite).astype(jnp.int32),
+            dropped_micro_steps=jnp.where(finite, dropped, optax.safe_increment(dropped)),
             acc_grads=window if self.every_k != 1 else (),
             windows_closed=windows_closed,
             window_size=window_size,

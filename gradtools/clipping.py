@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -50,12 +49,10 @@ def _norm_type(norm_type: Any) -> Any:
     if _checks.traced(norm_type):
         return norm_type
     message = f"{norm_type=} must be a number >= 1 or float('inf')"
-    if isinstance(norm_type, (bool, np.bool_, str, bytes)):  # float() would take them
-        raise ValueError(message)
     try:
-        p = float(norm_type)
-    except (TypeError, ValueError):
-        raise ValueError(message) from None
+        p = _checks.real_number("norm_type", norm_type)  # refuses bools, strings, complex
+    except ValueError as err:
+        raise ValueError(f"{message}: {err}") from None
     if math.isnan(p) or p < 1:
         raise ValueError(message)
     return p
@@ -207,7 +204,8 @@ def clip_by_global_norm(
         return ClipByGlobalNormState(grad_norm=jnp.zeros([], jnp.float32))
 
     def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
-        del state, params, extra_args
+        del params, extra_args
+        _checks.state_of("clip_by_global_norm", state, ClipByGlobalNormState)
         _checks.real_leaves("clip_by_global_norm", "updates", updates, floating=True)
         if isinstance(p, float) and p == 2 and square_sums is not None:  # summed by a loss scaler
             norm = jnp.sqrt(jnp.sum(_tuning.stack_scalars(_known(updates, *square_sums))))

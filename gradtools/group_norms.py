@@ -85,7 +85,7 @@ def group_norms(
       ValueError: if a regex is invalid or ``norm_type`` is below 1 or no
         number (when built); at ``init``, if a rule matches no parameter (or
         only ones taken by earlier rules), or a parameter matches no rule
-        while ``default is None``: the message lists the parameter names.
+        while ``default is None``: the message names a few parameters.
 
     Example:
       >>> import jax.numpy as jnp
@@ -121,6 +121,7 @@ def group_norms(
 
     def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
         del params, extra_args
+        _checks.state_of("group_norms", state, GroupNormsState)
         _checks.real_leaves("group_norms", "updates", updates)
         groups = grouped(updates)
         if set(groups) != set(state.group_grad_norms):

@@ -214,7 +214,9 @@ def spike_guard(
         )
 
     def step(grads, state, params, extra_args, fused):
+        _checks.state_of("spike_guard", state, SpikeGuardState)
         _checks.real_leaves("spike_guard", "updates", grads)
+        _checks.check_like("spike_guard", grads, params)
         norm, sums = _norm(grads, p, shared, extra_args)
         limit = state.norm_mean + jnp.asarray(z_threshold, jnp.float32) * jnp.sqrt(state.norm_var)
         warm = state.norm_count >= jnp.maximum(warmup_steps, 1)

@@ -315,6 +315,7 @@ BAD = {
             lambda: G.global_norm({"a": jnp.ones(2, jnp.complex64)}),
         ),
         (V, "norm_type=nan", lambda: G.global_norm(PARAMS, norm_type=NAN)),
+        (V, "not complex", lambda: G.global_norm(PARAMS, norm_type=np.complex128(2.0))),
     ],
     "schedules.piecewise_constant": [
         (T, "milestones=5", lambda: S.piecewise_constant(5, [0.1])),
