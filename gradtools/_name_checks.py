@@ -1,19 +1,25 @@
 """Checks of regex rules and patterns against parameter names, at ``init`` and at trace time.
 
 Like :mod:`gradtools._checks`, it holds argument checks and nothing else. The
-messages list the names, so that a typo never trains everything silently.
+messages name a few parameters, those most like a pattern that matches none
+first, so that a typo never trains everything silently.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 __all__ = [
     "loss_scaler_outside",
+    "param_tree",
     "patterns_match",
     "regex",
     "regexes",
@@ -44,13 +50,40 @@ def regexes(name: str, value: Any) -> list[re.Pattern[str]]:
     return [regex(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
-_MAX_NAMES = 100  # how many parameter names an error message lists
+_MAX_NAMES = 5  # how many parameter names an error message lists
 
 
 def _listing(names: list[str]) -> str:
+    """A few ``names``, and how many there are in all."""
     shown = "\n".join(f"  {n}" for n in names[:_MAX_NAMES])
     more = f"\n  ... and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
-    return f"The parameter names are:\n{shown}{more}"
+    return f"{shown}{more}"
+
+
+def _closest(pattern: str, names: list[str]) -> str:
+    """The few names most like ``pattern`` (:func:`difflib.get_close_matches`), closest first."""
+    close = difflib.get_close_matches(pattern, names, n=_MAX_NAMES, cutoff=0.0)
+    return (
+        f"The closest of the {len(names)} parameter names (gradtools.describe(params) lists "
+        "them all):\n" + "\n".join(f"  {n}" for n in close)
+    )
+
+
+def param_tree(caller: str, params: Any) -> None:
+    """Raises unless ``params`` may be a parameter tree: not a lone scalar integer (a step count).
+
+    ``optax.inject_hyperparams`` takes every callable argument for a schedule
+    and calls it with the step count: a ``mask=`` function would get that
+    count, and a mask built from it would silently mask everything.
+    """
+    if isinstance(params, (jax.Array, np.ndarray, np.generic, int)) and np.ndim(params) == 0:
+        if jnp.issubdtype(jnp.result_type(params), jnp.integer):
+            raise ValueError(
+                f"{caller}: params={params!r} is a scalar integer, not a parameter tree: "
+                "optax.inject_hyperparams calls a callable hyperparameter with the step "
+                "count. Name it in static_args, e.g. optax.inject_hyperparams(optax.adamw, "
+                "static_args=('mask',))(learning_rate, mask=gradtools.decay_mask)"
+            )
 
 
 def rules_match(
@@ -62,25 +95,22 @@ def rules_match(
 ) -> None:
     """Raises unless every rule takes a parameter and, without a default, every parameter has one.
 
-    ``index`` holds each name's first matching rule (``len(rules)``: none). The
-    message lists the parameter names, so that a typo never trains everything silently.
+    ``index`` holds each name's first matching rule (``len(rules)``: none).
     """
     unmatched = [n for n, i in zip(names, index) if i == len(rules)]
     if unmatched and not has_default:
         raise ValueError(
-            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default: "
-            f"{unmatched[:_MAX_NAMES]}. Add a rule for them or pass default=. {_listing(names)}"
+            f"{caller}: {len(unmatched)} parameter(s) match no rule and there is no default:\n"
+            f"{_listing(unmatched)}\nAdd a rule for them or pass default=."
         )
     for i, (rx, _) in enumerate(rules):
         if i not in index:
-            why = (
-                "every parameter it matches is taken by an earlier rule"
-                if any(rx.search(n) for n in names)
-                else "it matches no parameter"
-            )
-            raise ValueError(
-                f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}. {_listing(names)}"
-            )
+            taken = [n for n in names if rx.search(n)]
+            if taken:
+                why = f"every parameter it matches is taken by an earlier rule:\n{_listing(taken)}"
+            else:
+                why = f"it matches no parameter. {_closest(rx.pattern, names)}"
+            raise ValueError(f"{caller}: rules[{i}] regex {rx.pattern!r} is unused: {why}")
 
 
 def patterns_match(
@@ -90,7 +120,7 @@ def patterns_match(
     for pattern, rx in zip(patterns, compiled):
         if not any(rx.search(n) for n in names):
             raise ValueError(
-                f"{caller}: pattern {pattern!r} matches no parameter. {_listing(names)}"
+                f"{caller}: pattern {pattern!r} matches no parameter. {_closest(rx.pattern, names)}"
             )
 
 

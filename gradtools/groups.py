@@ -13,8 +13,8 @@ Each group's transform sees only its own parameters (the others are
 ``optax.MaskedNode``, an empty subtree), so frozen parameters hold no optimizer
 state at all and a global transform such as gradient clipping inside a group
 measures that group alone. A rule that matches nothing, or a parameter that
-matches no rule while there is no default, is a ``ValueError`` that lists the
-names, so a typo never trains everything silently.
+matches no rule while there is no default, is a ``ValueError`` that names the
+closest few parameters, so a typo never trains everything silently.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def frozen() -> optax.GradientTransformation:
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
+        _checks.state_of("frozen", state, optax.EmptyState)
         return _tree.zeros_like(updates), state
 
     return optax.GradientTransformation(_frozen_init, update_fn)
@@ -187,7 +188,7 @@ def param_groups(
       ValueError: if a regex is invalid (when built); at ``init``, if a rule
         matches no parameter (or only ones taken by earlier rules), or a
         parameter matches no rule while ``default is None``: the message
-        lists the parameter names; also at ``init``, if a group holds a loss
+        names the closest few parameters; also at ``init``, if a group holds a loss
         scaler while another group trains (their gradients would stay
         scaled: put the scaler outside, around ``param_groups``).
 
@@ -268,7 +269,7 @@ def freeze(
     Raises:
       TypeError: if ``inner`` is not a transformation or a pattern not a str.
       ValueError: if a pattern is invalid (when built) or, at ``init``,
-        matches no parameter: the message lists the parameter names.
+        matches no parameter: the message names the closest few.
 
     Example:
       >>> import optax

@@ -141,13 +141,16 @@ def label_params(params: Any, rules: Sequence[tuple[str, Any]], default: Any = N
       TypeError: if ``rules`` is not a sequence of pairs or a regex is not a str.
       ValueError: if a regex is invalid, a rule matches no parameter (or only
         parameters that earlier rules took), or a parameter matches no rule
-        while ``default is None``; the message lists the parameter names.
+        while ``default is None`` (the message names the closest few); or if
+        ``params`` is a scalar integer, as ``optax.inject_hyperparams`` passes
+        a ``mask`` not named in ``static_args``.
 
     Example:
       >>> params = {'conv': {'kernel': jnp.ones((3, 3)), 'bias': jnp.ones(3)}, 'fc': jnp.ones(2)}
       >>> gradtools.label_params(params, [(r'bias$', 'no_decay'), (r'conv', 'conv')], 'rest')
       {'conv': {'bias': 'no_decay', 'kernel': 'conv'}, 'fc': 'rest'}
     """
+    _name_checks.param_tree("label_params", params)
     parsed = _parse_rules(rules)
     names, _, treedef = _flatten(params)
     index = _assign(names, parsed, default is not None, "label_params")
@@ -188,7 +191,13 @@ def decay_mask(params: Any) -> Any:
 
     Returns:
       A pytree of bools of the structure of ``params``; pass the function
-      itself as ``mask=`` of ``optax.adamw`` or ``optax.add_decayed_weights``.
+      itself as ``mask=`` of ``optax.adamw`` or ``optax.add_decayed_weights``
+      (under ``optax.inject_hyperparams``, with ``static_args=('mask',)``).
+
+    Raises:
+      ValueError: if ``params`` is a scalar integer (a step count:
+        ``optax.inject_hyperparams`` passes one to a ``mask`` not named in
+        ``static_args``).
 
     Example:
       >>> import optax
@@ -203,6 +212,7 @@ def decay_mask(params: Any) -> Any:
       <https://arxiv.org/abs/1711.05101>`_, 2019; the "no decay on bias and
       LayerNorm weights" rule of BERT's and timm's optimizers.
     """
+    _name_checks.param_tree("decay_mask", params)
     names, leaves, treedef = _flatten(params)
     return treedef.unflatten(
         [

@@ -34,7 +34,10 @@ the last applied update used (``schedule(0)`` before the first)::
     gradtools.metrics(opt_state)['learning_rate']
 
 The hyperparameter takes the params' dtype; with bf16 params pass
-``hyperparam_dtype=jnp.float32`` to ``inject_hyperparams``.
+``hyperparam_dtype=jnp.float32`` to ``inject_hyperparams``. It calls every
+callable argument with the step count, as a schedule: name a weight-decay
+mask in ``static_args``, as in ``optax.inject_hyperparams(optax.adamw,
+static_args=('mask',))(learning_rate=schedule, mask=gradtools.decay_mask)``.
 """
 
 from __future__ import annotations

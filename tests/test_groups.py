@@ -186,11 +186,18 @@ def test_freeze_patterns_may_overlap_and_any_match_freezes():
                      "params/fc2/kernel", "params/fc3/kernel"]  # fmt: skip
 
 
+def _listed(message):
+    return [line.strip() for line in message.splitlines() if line.startswith("  ")]
+
+
 def _raises_listing_names(match, fn, *args):
+    """The error lists at most 5 of LeNet's 10 names; for an unused regex, those most like it."""
     with pytest.raises(ValueError, match=match) as err:
         fn(*args)
-    for name in LENET_NAMES:
-        assert f"\n  {name}" in str(err.value)
+    listed = [n for n in _listed(str(err.value)) if not n.startswith("...")]
+    assert 1 <= len(listed) <= 5 and set(listed) <= set(LENET_NAMES), listed
+    if "conv3" in match:  # difflib's ratio: 2 * matching characters / total characters
+        assert set(listed[:2]) == {"params/conv1/bias", "params/conv2/bias"}, listed
 
 
 def test_rule_matching_nothing_lists_names():
@@ -217,7 +224,9 @@ def test_rule_matching_nothing_lists_names():
 def test_parameter_matching_no_rule_lists_names():
     variables, _ = lenet()
     tx = gradtools.param_groups([(r"conv", optax.sgd(0.1))])
-    _raises_listing_names(r"6 parameter\(s\) match no rule.*params/fc1/bias", tx.init, variables)
+    _raises_listing_names(
+        r"(?s)6 parameter\(s\) match no rule.*params/fc1/bias", tx.init, variables
+    )
     _raises_listing_names("match no rule", gradtools.label_params, variables, [(r"conv", 1)])
 
 
@@ -482,12 +491,43 @@ def test_a_rule_of_three_items_is_rejected(call):
         call()
 
 
-def test_unused_rule_error_lists_100_names_and_counts_the_rest():
+def test_unused_rule_error_names_the_closest_few_of_many_names():
+    names = [f"layer{i:03d}/kernel" for i in range(150)] + ["layer042/bias"]
+    with pytest.raises(ValueError, match="'layer042/bais' is unused") as err:
+        gradtools.label_params({n: jnp.zeros(1) for n in names}, [("layer042/bais", 1)], 0)
+    assert "151 parameter names" in str(err.value)
+    assert _listed(str(err.value))[0] == "layer042/bias"  # the typo's target comes first
+    assert len(_listed(str(err.value))) == 5
+
+
+def test_parameters_without_a_rule_are_counted_and_a_few_named():
     names = [f"p{i:03d}" for i in range(150)]
-    with pytest.raises(ValueError, match="'zzz' is unused") as err:
-        gradtools.label_params({n: jnp.zeros(1) for n in names}, [("zzz", 1)], 0)
-    listed = [line.strip() for line in str(err.value).splitlines() if line.startswith("  ")]
-    assert listed == names[:100] + ["... and 50 more"]
+    with pytest.raises(ValueError, match="150 parameter.s. match no rule") as err:
+        gradtools.label_params({n: jnp.zeros(1) for n in names}, [("zzz", 1)])
+    assert _listed(str(err.value)) == names[:5] + ["... and 145 more"]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "mask",
+    [gradtools.decay_mask, lambda p: gradtools.label_params(p, [(r"bias$", False)], True)],
+    ids=["decay_mask", "label_params"],
+)
+def test_a_mask_given_the_step_count_says_to_make_it_static(mask, jit):
+    """``inject_hyperparams`` calls a callable ``mask`` with the step count unless static."""
+    params = {"fc": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, mask=mask)
+    init = jax.jit(tx.init) if jit else tx.init
+    with pytest.raises(ValueError, match=r"not a parameter tree.*static_args=\('mask',\)"):
+        init(params)
+    # As the message says: with mask static, the bias is not decayed and the kernel is.
+    tx = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=1.0, weight_decay=0.5, mask=mask
+    )
+    zeros = jax.tree.map(jnp.zeros_like, params)  # Adam's part of the update is then 0
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_array_equal(updates["fc"]["bias"], 0.0)
+    np.testing.assert_allclose(updates["fc"]["kernel"], -0.5)  # -learning_rate * 0.5 * 1
 
 
 def test_metrics_report_the_first_state_in_tree_order():
