@@ -22,7 +22,7 @@ from benchmarks import report
 
 __all__ = ["Config", "is_partial", "main", "parse_configs", "parse_count", "run"]
 
-SECTIONS = ("update", "compile", "memory", "lenet")
+SECTIONS = ("update", "compile", "memory", "lenet", "microbatch", "gpt")
 DTYPES = ("float32", "bfloat16", "float16")
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -60,6 +60,19 @@ class Config:
     memory_leaves: int = 8
     lenet_batch: int = 256
     lenet_reps: int = 7
+    #: the micro-batching section's MLP: batch, width, depth, micro-batch counts, rounds.
+    microbatch_batch: int = 2048
+    microbatch_width: int = 256
+    microbatch_depth: int = 4
+    microbatch_ks: tuple[int, ...] = (1, 2, 4, 8)
+    microbatch_reps: int = 7
+    #: the GPT section: model size (a key of the demo's SIZES), batch, sequence, k, dtypes.
+    gpt_size: str = "small"
+    gpt_batch: int = 4
+    gpt_seq: int = 32
+    gpt_k: int = 4
+    gpt_dtypes: tuple[str, ...] = ("float32",)
+    gpt_reps: int = 7
     #: dtype of the params and grads in the update, compile and memory sections.
     dtype: str = "float32"
     quick: bool = False
@@ -77,6 +90,15 @@ QUICK = Config(
     memory_leaves=4,
     lenet_batch=8,
     lenet_reps=2,
+    microbatch_batch=32,
+    microbatch_width=16,
+    microbatch_depth=2,
+    microbatch_ks=(2,),
+    microbatch_reps=2,
+    gpt_size="tiny",
+    gpt_batch=4,
+    gpt_seq=8,
+    gpt_reps=2,
     quick=True,
 )
 
@@ -203,6 +225,34 @@ def run(config: Config, log: Callable[[str], None] = print, command: str = "") -
             log=log,
         )
         results["notes"] += notes
+    if "microbatch" in config.sections:
+        from benchmarks.microbatch import run_microbatch
+
+        results["microbatch"], notes = run_microbatch(
+            config.microbatch_batch,
+            config.microbatch_width,
+            config.microbatch_depth,
+            config.microbatch_ks,
+            config.microbatch_reps,
+            match=config.match,
+            sample_s=0.0 if config.quick else 0.2,
+            log=log,
+        )
+        results["notes"] += notes
+    if "gpt" in config.sections:
+        from benchmarks.gpt import run_gpt
+
+        results["gpt"], notes = run_gpt(
+            config.gpt_size,
+            config.gpt_batch,
+            config.gpt_seq,
+            config.gpt_reps,
+            k=config.gpt_k,
+            dtypes=config.gpt_dtypes,
+            match=config.match,
+            log=log,
+        )
+        results["notes"] += notes
     load1 = os.getloadavg()
     machine = report.machine()
     machine["load average (1 min) at start / end"] = f"{load0[0]:.1f} / {load1[0]:.1f}"
@@ -269,7 +319,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     check("--configs", args.configs, parse_configs)
     for flag in ("--match", "--compile-match"):
         check(flag, getattr(args, flag[2:].replace("-", "_")), re.compile)
-    for flag in ("--reps", "--compile-reps", "--lenet-batch"):
+    check("--microbatch-ks", args.microbatch_ks, positive_counts)
+    names("--gpt-dtypes", args.gpt_dtypes, ("float32", "bfloat16"))
+    for flag in ("--reps", "--compile-reps", "--lenet-batch", "--microbatch-batch",
+                 "--gpt-batch", "--gpt-seq"):  # fmt: skip
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value < 1:
             p.error(f"{flag} {value}: must be >= 1")
@@ -317,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "(default float32; the LeNet section runs its own dtypes)",
     )
     p.add_argument("--lenet-batch", type=int, help="LeNet batch size")
+    p.add_argument("--microbatch-batch", type=int, help="the micro-batching section's batch")
+    p.add_argument("--microbatch-ks", help="its micro-batch counts, e.g. 1,2,4,8")
+    p.add_argument("--gpt-size", choices=("tiny", "small", "gpt2"), help="the GPT model size")
+    p.add_argument("--gpt-batch", type=int, help="the GPT section's batch (sequences)")
+    p.add_argument("--gpt-seq", type=int, help="the GPT section's sequence length (bytes)")
+    p.add_argument("--gpt-dtypes", help="the GPT section's compute dtypes: float32,bfloat16")
     p.add_argument(
         "--out",
         help=f"write the Markdown report here (default: {RESULTS}, but only for a run of every "
@@ -360,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.match:
         changes["match"] = args.match
     if args.reps:
-        changes["reps"] = changes["lenet_reps"] = args.reps
+        for key in ("reps", "lenet_reps", "microbatch_reps", "gpt_reps"):
+            changes[key] = args.reps
     if args.compile_leaves:
         changes["compile_leaves"] = _counts(args.compile_leaves)
     if args.compile_reps:
@@ -375,6 +435,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         changes["lenet_batch"] = args.lenet_batch
     if args.dtype:
         changes["dtype"] = args.dtype
+    if args.microbatch_batch:
+        changes["microbatch_batch"] = args.microbatch_batch
+    if args.microbatch_ks:
+        changes["microbatch_ks"] = _counts(args.microbatch_ks)
+    for key in ("gpt_size", "gpt_batch", "gpt_seq"):
+        if getattr(args, key):
+            changes[key] = getattr(args, key)
+    if args.gpt_dtypes:
+        changes["gpt_dtypes"] = tuple(d.strip() for d in args.gpt_dtypes.split(","))
     config = dataclasses.replace(base, **changes)
 
     command = "python -m benchmarks" + ("".join(f" {a}" for a in argv) if argv else "")

@@ -182,6 +182,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             name = f"compile: dynamic_loss_scale time({hi}) / time({lo}) / ({hi}/{lo})"
             out.append(_target(name, growth, 1.2, f"{lo} to {hi} leaves"))
     out += _lenet_targets(results)
+    out += _microbatch_targets(results.get("microbatch", []))
+    out += _gpt_targets(results.get("gpt", []))
     return [t for t in out if t]
 
 
@@ -208,6 +210,57 @@ def _lenet_targets(results: dict[str, Any]) -> list[dict[str, Any] | None]:
     if on_gpu and gt and gt.get("x_baseline"):  # on a CPU it measures XLA:CPU's convolutions
         name = "LeNet fp32 images/s: gradtools / PyTorch eager"
         out.append(_target(name, gt["x_baseline"], 1.0, f"batch {gt['batch']}", at_most=False))
+    return out
+
+
+#: The micro-batching rows the targets compare (benchmarks/microbatch.py).
+MB_GRADTOOLS = "gradtools.train_step(micro_batches=k)"
+MB_OPTAX = "optax.microbatching + tx.update"
+
+
+def _microbatch_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """At each k: gradtools' micro-batched step against optax.microbatching's (time, temp)."""
+    out = []
+    for k in sorted({r["k"] for r in rows}):
+        mine = _find(rows, k=k, variant=MB_GRADTOOLS)
+        theirs = _find(rows, k=k, variant=MB_OPTAX)
+        if not (mine and theirs):
+            continue
+        where = f"k={k}, batch {mine['batch']}"
+        name = "microbatch: train_step(micro_batches=k) time / optax.microbatching step"
+        out.append(_target(name, _paired(mine, theirs), 1.05, where))
+        if theirs["temp_bytes"]:
+            name = "microbatch: train_step(micro_batches=k) temp bytes / optax.microbatching's"
+            out.append(_target(name, mine["temp_bytes"] / theirs["temp_bytes"], 1.0, where))
+    return out
+
+
+def gpt_baseline(rows: list[dict[str, Any]], mine: dict[str, Any]) -> dict[str, Any] | None:
+    """The optax row ``mine`` (a gradtools GPT row) is compared with: the faster of its pair's."""
+    from benchmarks.gpt import PAIRS
+
+    for _, variant, bases, _ in PAIRS:
+        if variant == mine["variant"]:
+            found = [_find(rows, dtype=mine["dtype"], variant=b) for b in bases]
+            found = [r for r in found if r]
+            return min(found, key=lambda r: r["median_s"]) if found else None
+    return None
+
+
+def _gpt_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Each gradtools GPT step against the optax step of its pair (the faster, for (c))."""
+    from benchmarks.gpt import PAIRS
+
+    out = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for name, variant, _, limit in PAIRS:
+            mine = _find(rows, dtype=dtype, variant=variant)
+            base = mine and gpt_baseline(rows, mine)
+            if mine and base:
+                where = f"{mine['size']}, {dtype}, batch {mine['batch']}x{mine['seq']}"
+                if variant != base["variant"] and "(c)" in name:
+                    where += f", vs {base['variant'].split(': ', 1)[1]}"
+                out.append(_target(f"GPT step {name}", _paired(mine, base), limit, where))
     return out
 
 
@@ -392,6 +445,64 @@ def _lenet_section(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _microbatch_section(rows: list[dict[str, Any]]) -> str:
+    table = [
+        [
+            r["k"],
+            r["variant"],
+            f"{_ms(r['median_s'])} [{_ms(r['min_s'])}-{_ms(r['max_s'])}]",
+            f"{r['x_optax']:.2f}" if r.get("x_optax") else "",
+            f"{r['temp_bytes'] / 2**20:.2f}",
+            f"{r['temp_x_optax']:.2f}" if r.get("temp_x_optax") else "",
+            f"{r['peak_bytes'] / 2**20:.2f}",
+        ]
+        for r in rows
+    ]
+    header = ["k", "variant", "ms/step", "x optax", "temp MiB", "temp x optax", "peak MiB"]
+    first = rows[0]
+    return (
+        f"## Micro-batching\n\nOne optimizer step on a batch of {first['batch']} examples "
+        f"through an MLP of {first['params']:,} params whose activations dominate, the batch "
+        "split into k micro-batches: `gradtools.train_step(loss_fn, tx, micro_batches=k)` "
+        "(one call; tx = `dynamic_loss_scale(chain(gradtools.clip_by_global_norm(1.0), "
+        "adam(1e-3)))`), `optax.microbatching.microbatch` of `jax.value_and_grad` (MEAN) then "
+        "`tx.update` and `apply_updates` (one call; tx = `chain(optax.clip_by_global_norm(1.0), "
+        "adam(1e-3))`), and `gradtools.accumulate(tx, k)` through `train_step` (k calls of one "
+        "micro-batch; its temp and peak are one call's). ms per step, median [min-max]; "
+        "*x optax*: median of per-round ratios to the optax.microbatching step at the same k; "
+        "*temp*: `memory_analysis().temp_size_in_bytes` of the compiled, donated step; "
+        "*peak*: arguments + outputs - donated aliases + temp.\n\n" + _table(header, table) + "\n"
+    )
+
+
+def _gpt_section(rows: list[dict[str, Any]]) -> str:
+    table = []
+    for r in rows:
+        base = gpt_baseline(rows, r)
+        table.append(
+            [
+                r["dtype"],
+                r["variant"],
+                f"{_ms(r['median_s'])} [{_ms(r['min_s'])}-{_ms(r['max_s'])}]",
+                f"{_paired(r, base):.3f}" if base else "",
+                f"{r['temp_bytes'] / 2**20:.0f}",
+            ]
+        )
+    first = rows[0]
+    return (
+        f"## GPT training step\n\nThe demo's GPT (`{first['size']}`, {first['params']:,} "
+        f"params), one whole training step (forward, backward, AdamW after clipping to norm 1, "
+        f"apply) on {first['batch']} sequences of {first['seq']} bytes, params and state "
+        "donated; (c) splits the batch into "
+        f"k={first['k']} micro-batches (the *k calls* rows time all k calls). ms per step, "
+        "median [min-max]; *x optax*: median of per-round ratios to the optax step of the same "
+        "letter (for (c) the faster of the two optax forms); *temp MiB*: XLA's temporary "
+        "buffers of one call.\n\n"
+        + _table(["compute", "variant", "ms/step", "x optax", "temp MiB"], table)
+        + "\n"
+    )
+
+
 def _targets_section(found: list[dict[str, Any]]) -> str:
     table = [
         [
@@ -411,6 +522,8 @@ SECTIONS = (
     ("compile", _compile_section),
     ("memory", _memory_section),
     ("lenet", _lenet_section),
+    ("microbatch", _microbatch_section),
+    ("gpt", _gpt_section),
 )
 
 

@@ -5,16 +5,24 @@ Structure only: no assertion here depends on a timing.
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import threading
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
+import gradtools
+from benchmarks import _steps
 from benchmarks import _timing
 from benchmarks import cli
+from benchmarks import gpt
+from benchmarks import microbatch
 from benchmarks import report
 from benchmarks.cases import MICRO_K
 from benchmarks.cases import param_shapes
@@ -316,6 +324,9 @@ BAD_ARGS = [
     (["--configs", "1M"], "expected SIZE:LEAVES[:GROUP+GROUP]"),
     (["--match", "("], "--match '(': missing )"),
     (["--reps", "0"], "--reps 0: must be >= 1"),
+    (["--microbatch-ks", "2,0"], "--microbatch-ks '2,0': every count must be >= 1"),
+    (["--gpt-dtypes", "float16"], "--gpt-dtypes 'float16': unknown ['float16']"),
+    (["--gpt-seq", "0"], "--gpt-seq 0: must be >= 1"),
     (["--from-json", "no/such.json"], "--from-json no/such.json: no such file"),
 ]
 
@@ -441,3 +452,134 @@ def test_runs_merge_and_a_gpu_run_gets_its_own_section(results, bf16_results, tm
     out = tmp_path / "merged.json"
     cli.main(["--from-json", *map(str, files), "--json", str(out), "--out", str(tmp_path / "m.md")])
     assert json.loads(out.read_text())["meta"]["command"] == "test; test bf16"
+
+
+# --- whole training steps: micro-batching and the demo GPT ----------------------------------
+
+#: Two variants of each section (the matching names), one k, the smallest sizes.
+STEPS = dataclasses.replace(
+    cli.QUICK,
+    sections=("microbatch", "gpt"),
+    microbatch_reps=1,
+    gpt_reps=1,
+    gpt_seq=4,
+    match=r"^\(a\)|micro",
+)
+
+
+#: Whether this build's train_step splits a batch itself (else its rows are left out).
+MICRO_BATCHES = "micro_batches" in inspect.signature(gradtools.train_step).parameters
+
+
+@pytest.fixture(scope="module")
+def step_results():
+    return cli.run(STEPS, log=lambda line: None, command="test steps")
+
+
+def test_microbatch_rows_time_both_forms_and_read_temp_bytes(step_results):
+    rows = {(r["k"], r["variant"]): r for r in step_results["microbatch"]}
+    want = [microbatch.GRADTOOLS, microbatch.OPTAX] if MICRO_BATCHES else [microbatch.OPTAX]
+    assert set(rows) == {(2, v) for v in want}
+    for r in rows.values():
+        assert r["batch"] == 32 and len(r["samples_s"]) == 1 and r["median_s"] > 0
+        assert r["peak_bytes"] >= r["temp_bytes"] > 0
+    theirs = rows[2, microbatch.OPTAX]
+    assert theirs["x_optax"] == 1.0 and theirs["temp_x_optax"] == 1.0
+    assert "## Micro-batching" in report.render(step_results)
+    if not MICRO_BATCHES:
+        assert any("takes no micro_batches" in n for n in step_results["notes"])
+        return
+    found = {t["target"]: t for t in report.targets(step_results)}
+    temp = found["microbatch: train_step(micro_batches=k) temp bytes / optax.microbatching's"]
+    mine = rows[2, microbatch.GRADTOOLS]
+    assert temp["value"] == mine["temp_bytes"] / theirs["temp_bytes"] and temp["limit"] == 1.0
+
+
+def test_gpt_rows_or_a_note(step_results):
+    rows = {r["variant"]: r for r in step_results["gpt"]}
+    if not rows:
+        assert any("gradtools.demo.gpt is not in this build" in n for n in step_results["notes"])
+        return
+    want = {gpt.A_OPTAX, gpt.A_GRADTOOLS, gpt.C_MICROBATCH}
+    assert set(rows) == (want | {gpt.C_TRAIN_STEP} if MICRO_BATCHES else want)
+    for r in rows.values():
+        assert (r["size"], r["batch"], r["seq"], r["k"]) == ("tiny", 4, 4, 4)
+        assert len(r["samples_s"]) == 1 and r["temp_bytes"] >= 0
+    found = {t["target"]: t for t in report.targets(step_results)}
+    assert found["GPT step (a) train_step(gradtools chain) / optax step"]["limit"] == 1.02
+    assert "## GPT training step" in report.render(step_results)
+
+
+def _gpt_row(variant, samples, median):
+    return {"variant": variant, "dtype": "float32", "size": "small", "batch": 4, "seq": 32,
+            "samples_s": samples, "median_s": median}  # fmt: skip
+
+
+def test_gpt_accumulation_target_is_against_the_faster_optax_form():
+    rows = [
+        _gpt_row(gpt.C_MULTISTEPS, [2.0, 2.0, 2.0], 2.0),
+        _gpt_row(gpt.C_MICROBATCH, [1.0, 1.0, 2.0], 1.0),  # the faster by median
+        # per round against microbatching: 0.9, 1.2, 0.5: median 0.9
+        _gpt_row(gpt.C_TRAIN_STEP, [0.9, 1.2, 1.0], 1.0),
+    ]
+    [target] = report.targets({"gpt": rows})
+    assert target["target"].startswith("GPT step (c) train_step(micro_batches)")
+    assert target["value"] == pytest.approx(0.9) and target["pass"]
+    assert target["where"].endswith("vs microbatching(k) + tx.update")
+
+
+def test_microbatch_time_target_is_the_median_per_round_ratio_at_each_k():
+    def row(k, variant, samples, temp):
+        return {"k": k, "batch": 64, "variant": variant, "samples_s": samples,
+                "median_s": sorted(samples)[1], "temp_bytes": temp}  # fmt: skip
+
+    rows = [
+        row(2, microbatch.GRADTOOLS, [1.0, 2.2, 1.1], 90),  # per round 1.0, 1.1, 1.1
+        row(2, microbatch.OPTAX, [1.0, 2.0, 1.0], 100),
+        row(4, microbatch.GRADTOOLS, [1.0, 1.0, 1.0], 120),
+        row(4, microbatch.OPTAX, [1.0, 1.0, 1.0], 100),
+    ]
+    found = report.targets({"microbatch": rows})
+    got = [(t["where"], t["target"].split(" ")[2], round(t["value"], 6), t["pass"]) for t in found]
+    assert got == [
+        ("k=2, batch 64", "time", 1.1, False),
+        ("k=2, batch 64", "temp", 0.9, True),
+        ("k=4, batch 64", "time", 1.0, True),
+        ("k=4, batch 64", "temp", 1.2, False),
+    ]
+
+
+def test_the_compared_steps_take_the_same_step():
+    """optax.microbatching's step and gradtools' micro-batched one move the params as one
+    full-batch optax step does; so do k calls of accumulate over contiguous micro-batches."""
+    params = microbatch.mlp_params(8, 2)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(16, microbatch.IN_DIM)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, microbatch.CLASSES, size=16), jnp.int32)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+
+    def after(step, tx, batches):
+        p, s = params, tx.init(params)
+        for b in batches:
+            p, s, _ = jax.jit(step)(p, s, *b)
+        return p
+
+    want = after(_steps.optax_step(microbatch.mlp_loss, tx), tx, [(x, y)])
+    acc = gradtools.accumulate(tx, 4)
+    got = {
+        "optax.microbatching": after(
+            _steps.optax_microbatch_step(microbatch.mlp_loss, tx, 4, 16), tx, [(x, y)]
+        ),
+        "accumulate": after(
+            gradtools.train_step(microbatch.mlp_loss, acc), acc, _steps.split_batch((x, y), 4)
+        ),
+    }
+    if MICRO_BATCHES:
+        got["micro_batches"] = after(
+            gradtools.train_step(microbatch.mlp_loss, tx, micro_batches=4), tx, [(x, y)]
+        )
+    before = jax.tree.leaves(params)
+    for name, p in got.items():
+        for a, b, p0 in zip(jax.tree.leaves(p), jax.tree.leaves(want), before):
+            assert not np.allclose(b, p0), name  # the step moved the params
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
