@@ -32,10 +32,12 @@ from gradtools.naming import label_params
 from gradtools.naming import path_names
 from gradtools.spike_guard import SpikeGuardState
 from gradtools.spike_guard import spike_guard
+from gradtools.training import LossSum
 from gradtools.training import apply_gradients
 from gradtools.training import train_step
 
-if TYPE_CHECKING:  # imported on first use (below): it needs flax
+if TYPE_CHECKING:  # imported on first use (below): they need flax
+    from gradtools.nnx_optimizer import Optimizer
     from gradtools.train_state import TrainState
 
 __all__ = [
@@ -44,7 +46,9 @@ __all__ = [
     "FreezeState",
     "GroupNormsState",
     "LossScaleState",
+    "LossSum",
     "NoiseScaleState",
+    "Optimizer",
     "ParamGroupsState",
     "SpikeGuardState",
     "TrainState",
@@ -75,9 +79,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``gradtools.TrainState``, imported on first use: the rest needs no flax."""
+    """``gradtools.TrainState`` and ``gradtools.Optimizer``, imported on first use: the rest
+    needs no flax."""
     if name == "TrainState":
         from gradtools.train_state import TrainState
 
         return TrainState
+    if name == "Optimizer":
+        from gradtools.nnx_optimizer import Optimizer
+
+        return Optimizer
     raise AttributeError(f"module 'gradtools' has no attribute {name!r}")

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
 
-__all__ = ["apply_gradients", "train_step"]
+__all__ = ["LossSum", "apply_gradients", "train_step"]
 
 
 def apply_gradients(
@@ -84,16 +89,40 @@ def apply_gradients(
     return _apply.step(tx, grads, opt_state, params, extra_args, True)
 
 
+class LossSum(NamedTuple):
+    """A loss given as a sum over ``count`` examples (or tokens), for exact weighted means.
+
+    A ``loss_fn`` that returns a ``LossSum`` (or ``(LossSum, aux)`` with
+    ``has_aux``) lets :func:`train_step` divide by the count of the whole
+    batch rather than average per micro-batch means::
+
+      loss = sum(total_i) / sum(count_i)     # over the micro-batches i
+      grads = sum(grad(total_i)) / sum(count_i)
+
+    which is the token-weighted mean even when micro-batches hold different
+    numbers of valid (unpadded) tokens. A batch with a count of 0 gives zero
+    gradients, not NaN. The totals are larger than means, so with float16 a
+    dynamic loss scale settles lower.
+
+    Attributes:
+      total: the sum of the per-example (or per-token) losses, a scalar.
+      count: how many examples (or tokens) ``total`` sums over, a scalar.
+    """
+
+    total: Any
+    count: Any
+
+
 def _split(out: Any, has_aux: bool) -> tuple[Any, Any]:
     """``(loss, aux)`` from what ``loss_fn`` returned, or an error that says what to pass."""
     if has_aux:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        if isinstance(out, LossSum) or not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(
                 "train_step: with has_aux=True, loss_fn must return a pair (loss, aux), not"
                 f" a {type(out).__name__}"
             )
         return out[0], out[1]
-    if isinstance(out, (tuple, list)):
+    if isinstance(out, (tuple, list)) and not isinstance(out, LossSum):
         raise TypeError(
             f"train_step: loss_fn returned a {type(out).__name__} of {len(out)}, not a scalar"
             " loss; if it returns (loss, aux), build the step with"
@@ -107,6 +136,7 @@ def train_step(
     tx: optax.GradientTransformation,
     *,
     has_aux: bool = False,
+    micro_batches: int = 1,
 ) -> Callable[..., tuple[Any, optax.OptState, dict[str, Any]]]:
     """Builds ``step(params, opt_state, *args, **kwargs)`` for a loss function.
 
@@ -117,54 +147,45 @@ def train_step(
       updates, opt_state = tx.update(grads, opt_state, params, value=loss, **update_kwargs)
       params = optax.apply_updates(params, updates)
 
-    and returns ``(params, opt_state, metrics)``, where ``metrics`` holds the
-    *unscaled* ``loss`` (plus ``aux`` with ``has_aux``) and everything
-    :func:`gradtools.metrics` reads from the new ``opt_state``. The update and
-    apply are one :func:`apply_gradients` call, which for a loss scaler applies
-    the updates inside its skip branch. The loss is
-    scaled only when ``opt_state`` holds a loss-scale state. The step is a pure
-    function: ``jax.jit`` it, donating params and state
-    (``donate_argnums=(0, 1)``), so that the update happens in place.
+    and returns ``(params, opt_state, metrics)``: the *unscaled* ``loss`` (plus
+    ``aux`` with ``has_aux``) and everything :func:`gradtools.metrics` reads
+    from the new ``opt_state``. The loss is scaled only when ``opt_state``
+    holds a loss-scale state; the update and apply are one
+    :func:`apply_gradients` call. ``jax.jit`` the step, donating params and
+    state (``donate_argnums=(0, 1)``), so that the update happens in place.
 
     Positional and keyword arguments go to ``loss_fn``, except the keyword-only
     ``update_kwargs``: a dict of extra arguments for ``tx.update``, such as
-    :func:`gradtools.accumulate`'s ``flush`` and ``weight``. ``jax.jit`` traces
-    its values, Python bools and numbers as well as arrays, so a changing
-    ``flush`` does not recompile the step::
+    :func:`gradtools.accumulate`'s ``flush`` and ``weight`` (traced, so a
+    changing ``flush`` does not recompile). ``tx.update`` also gets the
+    unscaled loss as ``value`` (which ``optax.contrib.reduce_on_plateau``
+    reads), unless ``update_kwargs`` gives one or ``tx`` is a plain
+    ``optax.GradientTransformation``.
 
-      step = jax.jit(gradtools.train_step(loss_fn, tx), donate_argnums=(0, 1))
-      for i, batch in enumerate(batches):   # flush the partial window at the end
-          params, opt_state, m = step(params, opt_state, batch,
-                                      update_kwargs={'flush': jnp.array(i == last)})
+    **Micro-batches.** With ``micro_batches=k``, every positional argument's
+    leaves with a leading axis are split along it into ``k`` equal,
+    contiguous micro-batches (keyword arguments and leaves without an axis go
+    whole to each), and the gradients are taken one micro-batch after another
+    inside the step, in a ``lax.scan``::
 
-    ``tx.update`` also gets the unscaled loss as ``value`` (optax's name for
-    it, which ``optax.contrib.reduce_on_plateau`` reads), unless
-    ``update_kwargs`` gives a ``value`` or ``tx`` is a plain
-    ``optax.GradientTransformation``, whose ``update`` takes no extra
-    arguments. Wrappers pass it on to their inner optimizer (``accumulate``
-    the last micro-batch's, when its window closes).
+      grads = sum(grad(scale_loss(loss_fn(params, *batch_i), opt_state))) / k   # float32 sum
+      loss = mean(loss_i)                        # aux: stacked, shape (k, ...)
 
-    With a flax ``TrainState`` write the three lines yourself, using
-    :class:`gradtools.TrainState`, whose ``apply_gradients`` is
-    :func:`apply_gradients` and takes ``update_kwargs`` too::
-
-      def step(state, batch, last):
-          def scaled(p):   # drop scale_loss when tx has no loss scaler
-              return gradtools.scale_loss(loss_fn(p, batch), state.opt_state)
-          grads = jax.grad(scaled)(state.params)
-          state = state.apply_gradients(grads=grads, update_kwargs={'flush': last})
-          return state, gradtools.metrics(state.opt_state)
-
-    ``state.step`` then counts calls, including skipped steps and
-    accumulation micro-steps; the optimizer's own count (and any schedule)
-    counts applied updates only. flax's own ``TrainState`` runs the same
-    step but cannot pass ``update_kwargs`` (it hands keywords to ``replace``).
+    then ``tx`` steps once. Only one micro-batch's activations are alive at a
+    time, so peak memory falls with ``k``; an overflow in any micro-batch
+    makes the step non-finite, and a loss scaler skips it as a whole. A
+    ``loss_fn`` returning :class:`LossSum` gets the exact weighted mean over
+    micro-batches of unequal counts (padded tokens). To accumulate across
+    calls instead, as micro-batches arrive from the host, use
+    :func:`gradtools.accumulate`.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or
-        ``(loss, aux)`` with ``has_aux``); ``loss`` is a scalar.
+        ``(loss, aux)`` with ``has_aux``); ``loss`` is a scalar, or a
+        :class:`LossSum`.
       tx: the optimizer, e.g. ``gradtools.dynamic_loss_scale(optax.adam(1e-3))``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      micro_batches: how many micro-batches to split the batch into (1: none).
 
     Returns:
       ``step(params, opt_state, *args, update_kwargs=None, **kwargs) ->
@@ -172,10 +193,12 @@ def train_step(
 
     Raises:
       TypeError: if ``loss_fn`` is not callable or ``tx`` is not a
-        GradientTransformation; when ``step`` is called, if ``update_kwargs``
-        is not a dict, or if ``loss_fn`` returns a tuple without ``has_aux``
-        (or anything but a pair with it).
-      ValueError: if ``has_aux`` is not a bool.
+        GradientTransformation; when ``step`` is called, if ``params`` is a
+        ``flax.nnx.Module``, ``update_kwargs`` is not a dict, or ``loss_fn``
+        returns a tuple without ``has_aux`` (or anything but a pair with it).
+      ValueError: if ``has_aux`` is not a bool or ``micro_batches`` not an
+        int >= 1; when the step is traced, if ``micro_batches`` does not
+        divide a leading axis.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -188,12 +211,13 @@ def train_step(
 
     References:
       MindSpore ``TrainOneStepWithLossScaleCell`` (``TrainOneStepCell``
-      without a loss scaler).
+      without a loss scaler); optax ``optax.microbatching``.
     """
     if not callable(loss_fn):
         raise TypeError(f"{loss_fn=} must be callable: loss_fn(params, *args) -> loss")
     _checks.is_transform("tx", tx)
     _checks.is_bool("has_aux", has_aux)
+    _checks.positive_int("micro_batches", micro_batches)
 
     def step(
         params: Any,
@@ -204,29 +228,130 @@ def train_step(
     ) -> tuple[Any, optax.OptState, dict[str, Any]]:
         if update_kwargs is not None and not isinstance(update_kwargs, Mapping):
             raise TypeError(f"{update_kwargs=} must be a dict of tx.update's extra arguments")
-        scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
-
-        def objective(p):
-            loss, aux = _split(loss_fn(p, *args, **kwargs), has_aux)
-            return (scale_loss(loss, opt_state) if scaled else loss), (loss, aux)
-
-        grads, (loss, aux) = jax.grad(objective, has_aux=True)(params)
+        _not_a_module(params)
+        grads, loss, aux = _gradients(
+            loss_fn, has_aux, micro_batches, params, opt_state, args, kwargs
+        )
         extra = dict(update_kwargs or {})
         if isinstance(tx, optax.GradientTransformationExtraArgs):
             extra.setdefault("value", loss)
-        try:
-            params, opt_state = apply_gradients(tx, grads, opt_state, params, **extra)
-        except TypeError as err:
-            if "value" in (update_kwargs or {}) or "'value'" not in str(err):
-                raise
-            raise TypeError(
-                f"train_step: {err}. The step hands tx.update the loss as value=, as optax"
-                " does: an update function of a GradientTransformationExtraArgs must take"
-                " extra keyword arguments it does not use (add **extra_args to it)"
-            ) from err
+        params, opt_state = _apply_or_explain(tx, grads, opt_state, params, extra, update_kwargs)
         out = {"loss": loss, **metrics(opt_state)}
         if has_aux:
             out["aux"] = aux
         return params, opt_state, out
 
     return step
+
+
+def _gradients(loss_fn, has_aux, micro_batches, params, opt_state, args, kwargs):
+    """``(grads, loss, aux)`` of the batch ``args``: scaled gradients, the unscaled loss."""
+    scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
+
+    def grads_of(p: Any, batch: tuple[Any, ...]) -> tuple[Any, Any]:
+        """``grad(scaled total)`` and ``(total, count, aux)`` of one (micro-)batch."""
+
+        def objective(p):
+            loss, aux = _split(loss_fn(p, *batch, **kwargs), has_aux)
+            total, count = (loss.total, loss.count) if isinstance(loss, LossSum) else (loss, None)
+            return (scale_loss(total, opt_state) if scaled else total), (total, count, aux)
+
+        return jax.grad(objective, has_aux=True)(p)
+
+    if micro_batches == 1:
+        grads, (loss, count, aux) = grads_of(params, args)
+        if count is None:  # a mean loss
+            return grads, loss, aux
+    else:
+        grads, (loss, count, aux) = _scan(grads_of, params, args, micro_batches)
+    return _divide(grads, count), _divide(loss, count), aux
+
+
+def _apply_or_explain(tx, grads, opt_state, params, extra, update_kwargs):
+    """:func:`apply_gradients`, with a hint when an update refuses the ``value`` it is handed."""
+    try:
+        return apply_gradients(tx, grads, opt_state, params, **extra)
+    except TypeError as err:
+        # The update that refuses ``value`` may sit anywhere inside ``tx`` (a chain
+        # hands every extra argument to every member), so its own error is the only
+        # place that says which argument it refused.
+        if "value" in (update_kwargs or {}) or "'value'" not in str(err):
+            raise
+        raise TypeError(
+            f"train_step: {err}. The step hands tx.update the loss as value=, as optax"
+            " does: an update function of a GradientTransformationExtraArgs must take"
+            " extra keyword arguments it does not use (add **extra_args to it)"
+        ) from err
+
+
+def _divide(tree: Any, count: Any) -> Any:
+    """``tree / count`` computed in float32, each leaf cast back to its dtype; 0 / 0 is 0."""
+    count = jnp.asarray(count, jnp.float32)
+    count = jnp.where(count == 0, 1.0, count)
+    return jax.tree.map(lambda x: (x.astype(jnp.float32) / count).astype(x.dtype), tree)
+
+
+def _scan(grads_of: Callable, params: Any, args: tuple[Any, ...], k: int) -> tuple[Any, Any]:
+    """The sums over ``k`` micro-batches of ``grads_of``'s gradients, totals and counts.
+
+    A ``lax.scan`` with a static trip count; gradients and totals are summed
+    in float32 (the gradients are cast back to their dtypes), auxiliary
+    outputs are stacked along a new leading axis.
+    """
+    batches, rebuild = _micro_batches(args, k)
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+
+    def body(carry, batch):
+        grads, (total, count, aux) = grads_of(params, rebuild(batch))
+        sums, total_sum, count_sum = carry
+        sums = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), sums, grads)
+        total_sum = total_sum + jnp.asarray(total, jnp.float32)
+        count = 1.0 if count is None else count  # a mean loss counts as one
+        return (sums, total_sum, count_sum + jnp.asarray(count, jnp.float32)), (total, aux)
+
+    init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    (sums, total, count), (totals, aux) = lax.scan(body, init, batches)
+    grads = jax.tree.map(lambda s, p: s.astype(jnp.result_type(p)), sums, params)
+    return grads, (total.astype(totals.dtype), count, aux)
+
+
+def _micro_batches(args: tuple[Any, ...], k: int) -> tuple[list[Any], Callable]:
+    """Every leaf of ``args`` with a leading axis, reshaped to ``(k, n // k, ...)``.
+
+    Returns the reshaped leaves and a function that puts one micro-batch of
+    them back into ``args``' structure (leaves without an axis, such as
+    Python numbers, are passed whole).
+    """
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+    split = [np.ndim(x) >= 1 for _, x in paths_leaves]
+    batches = []
+    for (path, x), is_split in zip(paths_leaves, split):
+        if not is_split:
+            continue
+        n = np.shape(x)[0]
+        if n % k:
+            raise ValueError(
+                f"train_step: args{jax.tree_util.keystr(path)} has a leading axis of size {n},"
+                f" which micro_batches={k} does not divide: pass a batch whose size is a"
+                f" multiple of {k}"
+            )
+        batches.append(jnp.reshape(x, (k, n // k, *np.shape(x)[1:])))
+
+    def rebuild(batch: list[Any]) -> tuple[Any, ...]:
+        it = iter(batch)
+        leaves = [next(it) if s else x for (_, x), s in zip(paths_leaves, split)]
+        return jax.tree.unflatten(treedef, leaves)
+
+    return batches, rebuild
+
+
+def _not_a_module(params: Any) -> None:
+    """Raises a TypeError that says what to pass when ``params`` is a ``flax.nnx.Module``."""
+    nnx = sys.modules.get("flax.nnx")  # only set when flax.nnx is imported, as it then is
+    if nnx is not None and isinstance(params, nnx.Module):
+        raise TypeError(
+            f"train_step: params is a flax.nnx.Module ({type(params).__name__}), not a tree of"
+            " arrays. Split it, graphdef, params = nnx.split(model), and let loss_fn rebuild it"
+            " with nnx.merge(graphdef, params); or keep the module and step with"
+            " gradtools.Optimizer(model, tx, wrt=nnx.Param)"
+        )
