@@ -279,3 +279,20 @@ def test_loss_sum_with_has_aux_and_without():
     bare = gradtools.train_step(lambda w: gradtools.LossSum(jnp.sum(w), 1.0), sgd, has_aux=True)
     with pytest.raises(TypeError, match=r"has_aux=True, loss_fn must return a pair"):
         bare(jnp.ones(1), sgd.init(None))
+
+
+@pytest.mark.four_devices
+def test_a_batch_sharded_over_devices_gives_the_single_device_step():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    params, x, y = _setup(32)
+    tx = gradtools.dynamic_loss_scale(optax.adam(0.05))
+    step = jax.jit(gradtools.train_step(_mlp_loss, tx, micro_batches=4))
+    expected, _, m1 = step(params, tx.init(params), x, y)
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    p, s = jax.device_put((params, tx.init(params)), replicated)
+    p, s, m2 = step(p, s, jax.device_put(x, split), jax.device_put(y, split))
+    chex.assert_trees_all_close(p, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
