@@ -1,0 +1,104 @@
+"""``python -m gradtools.demo.gpt``: train a byte-level GPT on Python's help text with gradtools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradtools.demo.gpt.config import Config
+from gradtools.demo.gpt.model import DTYPES
+from gradtools.demo.gpt.model import SIZES
+from gradtools.demo.gpt.train import train_and_evaluate
+from gradtools.demo.runtime import add_host_options
+from gradtools.demo.runtime import parse_args
+from gradtools.demo.runtime import run_main
+
+__all__ = ["main", "parser"]
+
+_EPILOG = """\
+precisions (parameters, optimizer state and loss stay float32):
+  fp32          float32 compute
+  bf16          bfloat16 compute, no loss scaling (bfloat16 has float32's range)
+  fp16          float16 compute with gradtools.dynamic_loss_scale
+  fp16-noscale  float16 compute without loss scaling: small gradients flush to 0
+
+--study trains the same model five times (fp32, bf16, fp16 without a loss
+scale, with a fixed one and with a dynamic one) and prints a Markdown table,
+after Micikevicius et al., Mixed Precision Training (2018).
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line parser; its defaults are :class:`Config`'s."""
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="python -m gradtools.demo.gpt",
+        description="Train a byte-level GPT (Flax NNX) on Python's help topics with gradtools: "
+        "AdamW with warmup and cosine decay, clipping, spike guard, per-group gradient norms, "
+        "accumulation and loss scaling in one jitted step.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a = p.add_argument
+    a("--size", default=d.size, help=f"model size: {', '.join(SIZES)} (%(default)s)")
+    a("--precision", default=d.precision, help=f"{', '.join(DTYPES)} (%(default)s); see below")
+    a("--steps", type=int, metavar="N", default=d.steps, help="optimizer updates (%(default)s)")
+    a("--seed", type=int, metavar="N", default=d.seed, help="init and batch seed (%(default)s)")
+    a("--batch-size", type=int, metavar="N", default=d.batch_size,
+      help="windows per micro-batch, split over the devices (%(default)s)")  # fmt: skip
+    a("--accum-steps", type=int, metavar="K", default=d.accum_steps,
+      help="micro-batches accumulated per update (%(default)s)")  # fmt: skip
+    a(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (3e-3 tiny, 1e-3 small, 6e-4 gpt2)",
+    )
+    a("--data-dir", metavar="DIR", help="train on the *.txt files in DIR instead")
+    a("--checkpoint-dir", metavar="DIR", help="save checkpoints here (at each evaluation)")
+    a("--resume", action="store_true", help="continue the run in --checkpoint-dir exactly")
+    a("--plot", metavar="PATH", help="write the run's curves to a PNG")
+    a("--no-progress", action="store_true", help="no progress bar, only a line per evaluation")
+    study = p.add_argument_group("the precision study")
+    s = study.add_argument
+    s("--study", action="store_true", help="run the five precisions and print a table")
+    s("--loss-multiplier", type=float, metavar="X", default=d.loss_multiplier,
+      help="multiply the loss differentiated by X, e.g. 2**-12 (%(default)s)")  # fmt: skip
+    add_host_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the demo (or the study) with the options in ``argv`` (default ``sys.argv[1:]``).
+
+    Returns:
+      0 on success; a data directory without text exits with status 1, with
+      one line on stderr; bad options with 2, with the usage and a line
+      naming the option and value; Ctrl-C exits with 130.
+    """
+    p = parser()
+    args = parse_args(p, argv)  # and jax.distributed.initialize, before anything else
+    config = Config(
+        size=args.size,
+        precision=args.precision,
+        steps=args.steps,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        accum_steps=args.accum_steps,
+        lr=args.lr,
+        loss_multiplier=args.loss_multiplier,
+        data_dir=args.data_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        plot=args.plot,
+        progress=not args.no_progress,
+    )
+    if args.study:
+        from gradtools.demo.gpt.study import run_study
+
+        return run_main(p, run_study, config)
+    return run_main(p, train_and_evaluate, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The GPT demo (``python -m gradtools.demo.gpt``): model, data, training, resume, CLI, study.
+
+Runs are short (a few steps of the ``tiny`` model, or of a smaller one the
+study's smoke test swaps in) so that the file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import gradtools
+from gradtools.demo.gpt import data
+from gradtools.demo.gpt import study
+from gradtools.demo.gpt.__main__ import main
+from gradtools.demo.gpt.config import Config
+from gradtools.demo.gpt.model import GPT
+from gradtools.demo.gpt.model import SIZES
+from gradtools.demo.gpt.model import GPTConfig
+from gradtools.demo.gpt.model import count_params
+from gradtools.demo.gpt.optim import decay
+from gradtools.demo.gpt.train import train_and_evaluate
+
+LAST_LINE = re.compile(r"validation bits/byte: (\d+\.\d{3}) \(unigram baseline: (\d+\.\d{3})\)")
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """``python -m gradtools.demo.gpt`` on tiny: 40 updates, a checkpoint and a plot."""
+    folder = tmp_path_factory.mktemp("gpt")
+    argv = ["--steps", "40", "--accum-steps", "1", "--batch-size", "32", "--no-progress"]
+    argv += ["--checkpoint-dir", str(folder / "ckpt"), "--plot", str(folder / "run.png")]
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue(), folder
+
+
+def test_tiny_trains_below_its_unigram_baseline_and_says_so_last(cli_run):
+    code, out, folder = cli_run
+    assert code == 0
+    lines = out.strip().splitlines()
+    m = LAST_LINE.fullmatch(lines[-1])
+    assert m, lines[-1]
+    bits, baseline = float(m.group(1)), float(m.group(2))
+    text = data.load()
+    assert baseline == round(data.unigram_bits_per_byte(text.train, text.valid), 3)
+    assert bits < baseline
+    assert "GPT tiny (2 layers, 4 heads, 64 wide, block 64), 120,576 parameters, fp32" in out
+    assert f"checkpoint: {folder / 'ckpt' / '40'}" in out
+    with open(folder / "run.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _state(result):
+    return jax.device_get(
+        (nnx.to_pure_dict(nnx.state(result.model)), nnx.to_pure_dict(nnx.state(result.optimizer)))
+    )
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
+    """Stopped mid-window (step 3 of windows of 2) with a float16 loss scale, then resumed."""
+    config = Config(
+        steps=3, batch_size=8, accum_steps=2, precision="fp16", eval_every=1, eval_windows=8,
+        progress=False,
+    )  # fmt: skip
+    whole = train_and_evaluate(config)
+    folder = str(tmp_path / "ckpt")
+    stopped = train_and_evaluate(dataclasses.replace(config, checkpoint_dir=folder, max_steps=3))
+    assert stopped.step == 3 and sorted(os.listdir(folder), key=int) == ["2", "3"]
+    resumed = train_and_evaluate(Config(checkpoint_dir=folder, resume=True, progress=False))
+    assert resumed.step == whole.step == 6
+    jax.tree.map(np.testing.assert_array_equal, _state(resumed), _state(whole))
+    assert resumed.history == whole.history
+    assert resumed.val_bits_per_byte == whole.val_bits_per_byte
+
+
+def test_the_model_has_gpt2s_shapes_dtypes_and_a_tied_read_out():
+    c = SIZES["tiny"]
+    model = GPT(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    d, f = c.embed_dim, 4 * c.embed_dim
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    assert count_params(model) == c.vocab_size * d + c.block_size * d + c.num_layers * block + 2 * d
+    params = nnx.state(model, nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    names = jax.tree.leaves(gradtools.path_names(params))
+    assert not [n for n in names if "head" in n]  # no output matrix of its own
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+    x = model.wte(tokens) + model.wpe(jnp.arange(16))
+    for b in model.blocks:
+        x = b(x)
+    tied = model.ln_f(x).astype(jnp.float32) @ model.wte.embedding[...].T
+    np.testing.assert_allclose(logits, tied, rtol=2e-2, atol=2e-2)
+    std = float(jnp.std(model.blocks[0].qkv.kernel[...]))
+    assert 0.018 < std < 0.022  # GPT-2's init
+    assert [count_params(nnx.eval_shape(lambda s=s: GPT(s, rngs=nnx.Rngs(0)))) for s in (
+        SIZES["small"], SIZES["gpt2"])] == [10_844_160, 86_039_040]  # fmt: skip
+
+
+def test_weight_decay_is_off_for_biases_norms_and_embeddings_by_name():
+    model = GPT(SIZES["tiny"], rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    mask = dict(zip(jax.tree.leaves(gradtools.path_names(params)), jax.tree.leaves(decay(params))))
+    decayed = sorted(n for n, on in mask.items() if on)
+    layers = ("qkv", "attn_proj", "fc", "mlp_proj")
+    assert decayed == sorted(f"blocks/{i}/{layer}/kernel" for i in range(2) for layer in layers)
+
+
+def test_the_unigram_baseline_is_the_validation_bytes_entropy():
+    valid = np.frombuffer(b"abracadabra, said the cat", np.uint8)
+    counts = collections.Counter(valid.tolist())
+    entropy = -sum(c / len(valid) * math.log2(c / len(valid)) for c in counts.values())
+    got = data.unigram_bits_per_byte(np.zeros(5, np.uint8), valid)
+    assert got == pytest.approx(entropy, rel=1e-12)
+    assert data.unigram_bits_per_byte(valid, valid) == got  # train does not enter
+
+
+def test_the_split_and_the_batches_are_deterministic():
+    from pydoc_data.topics import topics
+
+    a, b = data.load(), data.load()
+    joined = "\n\n".join(topics[k] for k in sorted(topics)).encode()
+    assert a.train.tobytes() + a.valid.tobytes() == joined
+    assert len(a.valid) == math.ceil(0.1 * len(joined))
+    np.testing.assert_array_equal(a.valid, b.valid)
+    w1 = data.train_windows(a.train, 64, 8, seed=3, step=5)
+    np.testing.assert_array_equal(w1, data.train_windows(a.train, 64, 8, seed=3, step=5))
+    assert not np.array_equal(w1, data.train_windows(a.train, 64, 8, seed=3, step=6))
+    assert w1.shape == (8, 65) and w1.dtype == np.int32
+    text = a.train.tobytes()
+    assert all(bytes(row.astype(np.uint8)) in text for row in w1)  # contiguous windows
+
+
+def test_data_dir_reads_the_txt_files_in_order(tmp_path):
+    (tmp_path / "b.txt").write_text("second é")
+    (tmp_path / "a.txt").write_text("first ")
+    (tmp_path / "c.md").write_text("not read")
+    text = data.load(tmp_path)
+    assert text.train.tobytes() + text.valid.tobytes() == "first \n\nsecond é".encode()
+
+
+BAD = [
+    (["--size", "huge"], 2, "--size huge: not in ('tiny', 'small', 'gpt2')"),
+    (["--precision", "fp8"], 2, "--precision fp8: not in ('fp32', 'bf16', 'fp16', 'fp16-noscale')"),
+    (["--steps", "0"], 2, "--steps 0: must be an integer >= 1"),
+    (["--data-dir", "EMPTY"], 1, "--data-dir EMPTY: no text in *.txt files (1 found)"),
+]
+
+
+@pytest.mark.parametrize(("argv", "code", "message"), BAD, ids=[a[1] for a, _, _ in BAD])
+def test_bad_input_names_the_option_and_writes_nothing(tmp_path, capsys, argv, code, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("  \n")
+    argv = [a.replace("EMPTY", str(empty)) for a in argv]
+    message = message.replace("EMPTY", str(empty))
+    out = tmp_path / "out"
+    out.mkdir()
+    full = [*argv, "--checkpoint-dir", str(out / "ckpt"), "--plot", str(out / "run.png")]
+    if code == 2:
+        with pytest.raises(SystemExit) as exit_info:
+            main(full)
+        assert exit_info.value.code == 2
+    else:
+        assert main(full) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert os.listdir(out) == []
+
+
+def test_zero_fraction_counts_exact_zeros():
+    tree = {"a": jnp.array([0.0, 1.0, -0.0]), "b": jnp.zeros(2, jnp.float16), "c": jnp.ones(3)}
+    assert study.zero_fraction(tree) == 4 / 8
+
+
+def test_float16_gradients_flush_to_zero_where_float32_ones_do_not():
+    model = GPT(SIZES["tiny"], rngs=nnx.Rngs(0))
+    batch = jnp.asarray(data.eval_windows(data.load().valid, 64, 4))
+    # loss * 2**-40: every float16 gradient underflows, float32 keeps them
+    assert study.fp16_gradient_zeros(model, batch, 2.0**-40) == 1.0
+    assert study.fp16_gradient_zeros(model, batch, 2.0**-40, jnp.float32) < 0.01
+    assert study.fp16_gradient_zeros(model, batch, 2.0**10) < 0.01
+
+
+def test_the_study_runs_five_precisions_and_tabulates_them(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(
+        SIZES, "tiny", GPTConfig(block_size=16, num_layers=1, num_heads=2, embed_dim=32)
+    )
+    config = Config(steps=2, batch_size=4, accum_steps=1, eval_windows=4, progress=False)
+    rows = study.run_study(dataclasses.replace(config, plot=str(tmp_path / "study.png")))
+    assert [r.name for r in rows] == [name for name, _, _ in study.RUNS]
+    by_name = {r.name: r for r in rows}
+    assert by_name["fp16, dynamic loss scale"].loss_scale == 2.0**15
+    assert by_name["fp16, fixed loss scale"].loss_scale == 2.0**10
+    assert by_name["fp32"].loss_scale == 1.0 and by_name["fp32"].skipped_steps == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(study.RUNS)  # the header, its rule, a row per run
+    assert "| fp16, no loss scale |" in out
+    with open(tmp_path / "study.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
