@@ -68,7 +68,7 @@ class Config:
     microbatch_reps: int = 7
     #: the GPT section: model size (a key of the demo's SIZES), batch, sequence, k, dtypes.
     gpt_size: str = "small"
-    gpt_batch: int = 4
+    gpt_batch: int = 8
     gpt_seq: int = 32
     gpt_k: int = 4
     gpt_dtypes: tuple[str, ...] = ("float32",)
