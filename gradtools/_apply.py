@@ -96,6 +96,6 @@ def step_or_skip(pred: jax.Array, run: Callable, operand, fused: bool, params, s
 
     def skip(like: Any, operand: Any) -> Any:
         del operand
-        return (params, state) if fused else (_tree.zeros_like(like[0]), state)
+        return (params, state) if fused else (_tree.zeros_of_types(like[0]), state)
 
     return cond(pred, run, skip, operand)

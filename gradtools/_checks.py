@@ -68,7 +68,7 @@ def static(name: str, value: Any, why: str) -> None:
 
 
 #: The largest step count: steps and counters are int32.
-MAX_INT32 = 2**31 - 1
+MAX_INT32 = int(np.iinfo(np.int32).max)
 
 
 def real_number(name: str, value: Any) -> float:
@@ -336,7 +336,7 @@ def check_like(caller: str, updates: Any, params: Any, name: str = "params") -> 
     """
     if params is None:
         return
-    if type(params).__name__ == "LookaheadParams":
+    if isinstance(params, optax.LookaheadParams):
         raise ValueError(
             f"{caller}: params is an optax LookaheadParams: put optax.lookahead outside, "
             f"e.g. optax.lookahead(gradtools.{caller}(fast_optimizer), sync_period, alpha)"

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import optax
 
 from gradtools import _tree
-from gradtools import _tuning
 
 __all__ = ["NoiseScaleState", "add", "close", "init", "report", "sq_norm"]
 
@@ -52,8 +51,7 @@ def init() -> NoiseScaleState:
 
 def sq_norm(tree: Any) -> jax.Array:
     """``sum(|x|^2)`` over every leaf of ``tree``, in float32."""
-    sums = [jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return jnp.sum(_tuning.stack_scalars(sums)) if sums else jnp.zeros([], jnp.float32)
+    return jnp.asarray(optax.tree.norm(optax.tree.cast(tree, jnp.float32), squared=True))
 
 
 def add(state: NoiseScaleState, g_sq_norm: jax.Array, w: jax.Array, take: jax.Array):
@@ -88,10 +86,12 @@ def close(
     decay = jnp.asarray(decay, jnp.float32)
 
     def ema(avg: jax.Array, x: jax.Array) -> jax.Array:
-        return jnp.where(ok, decay * avg + (1 - decay) * x, avg)
+        return jnp.where(ok, optax.tree.update_moment(x, avg, decay, 1), avg)
 
     # zeros that vary over shard_map axes as the window's sums do
-    sq_norms, micro_batches = _tree.zeros_like((state.window_sq_norms, state.window_micro_batches))
+    sq_norms, micro_batches = _tree.zeros_of_types(
+        (state.window_sq_norms, state.window_micro_batches)
+    )
     return NoiseScaleState(
         window_sq_norms=sq_norms,
         window_micro_batches=micro_batches,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from gradtools import _checks
 
-__all__ = ["match_types", "scale_f32", "split_divisor", "zeros_like"]
+__all__ = ["match_types", "scale_f32", "split_divisor", "zeros_of_types"]
 
 
 def scale_f32(tree: Any, *factors: jax.Array) -> Any:
@@ -46,10 +46,12 @@ def split_divisor(d: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s, d * s
 
 
-def zeros_like(tree: Any) -> Any:
+def zeros_of_types(tree: Any) -> Any:
     """Zeros typed like the leaves of ``tree`` (arrays, or types from ``jax.typeof``).
 
-    Traced, they are laid out like their leaf on explicit mesh axes (newer
+    Unlike ``optax.tree.zeros_like``, it takes types as well as arrays, and:
+
+    traced, the zeros are laid out like their leaf on explicit mesh axes (newer
     jax gives traced zeros no layout otherwise), and inside ``jax.shard_map``
     they vary over the mesh axes their leaf varies over, as the two branches
     of a ``lax.cond`` must agree on both.

@@ -1,7 +1,8 @@
 """The reductions gradtools keeps in a faster form than the obvious one, each for a measured win.
 
-``benchmarks/ANALYSIS.md`` gives the measurements ("Kept tuning"); each form
-computes exactly what its docstring's plain expression computes.
+``benchmarks/ANALYSIS.md`` gives the measurements ("Core v2: what each kept
+trick buys"); each form computes exactly what its docstring's plain
+expression computes, and each call site says in a sentence why it is used.
 """
 
 from __future__ import annotations
@@ -20,18 +21,10 @@ __all__ = [
     "checked_square_sum",
     "cond_through_buffer",
     "distinct_scalars",
-    "leaf_finite",
     "stack_scalars",
 ]
 
 _FAN_IN = 32  # scalars stacked by one fusion in stack_scalars
-
-
-def leaf_finite(x: jax.Array) -> jax.Array:
-    """``isfinite(x).all()`` as ``isfinite(sum(x - x))``: one float reduction, no bool array."""
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.array(True)
-    return jnp.isfinite(jnp.sum(x - x))
 
 
 def checked_square_sum(x: jax.Array) -> jax.Array:
@@ -84,7 +77,7 @@ def cond_through_buffer(
         return jax.tree.map(lambda u, b: u.astype(b.dtype), updates, buffer), new_state, ()
 
     def hold(like: Any, buffer: Any) -> Any:
-        return buffer, state, _tree.zeros_like(like[2])
+        return buffer, state, _tree.zeros_of_types(like[2])
 
     slot, state, updates = _apply.cond(pred, run, hold, buffer)
     if _holds(buffer, types[-1]):

@@ -103,8 +103,8 @@ class _Accumulate:
 
     def init(self, params: Any) -> AccumulateState:
         """An empty window (no buffer with ``every_k=1``) and ``inner``'s state."""
-        # zeros_like: laid out like the param, as optax lays out its moments
-        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, self.dtype), params)
+        # laid out like the param, as optax lays out its moments
+        zeros = optax.tree.zeros_like(params, dtype=self.dtype)
         return AccumulateState(
             micro_step=jnp.zeros([], jnp.int32),
             window_weight=jnp.zeros([], jnp.float32),
@@ -156,7 +156,7 @@ class _Accumulate:
         carry, emits = (state.inner_state, noise), closes & (window_weight > 0)
         if fused or self.every_k == 1:
             out, (inner, noise) = _apply.step_or_skip(emits, close, window, fused, params, carry)
-        else:
+        else:  # the updates leave the cond through the buffer: no zeros written per micro-step
             out, window, (inner, noise) = _tuning.cond_through_buffer(emits, close, window, carry)
         new_state = self.after(state, closes, micro_step, window_weight, finite, window)
         return out, new_state._replace(inner_state=inner, noise_stats=noise)

@@ -65,6 +65,8 @@ def _magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
     """The p-norm of all leaves for a Python float ``p``."""
+    # optax.tree.norm(ord=p), in float32 and with the per-leaf reductions stacked 32 at a
+    # time (_tuning.stack_scalars): one fusion over every leaf compiles superlinearly.
     mags = _magnitudes(leaves)
     if p == 2:
         return jnp.sqrt(jnp.sum(_tuning.stack_scalars([jnp.sum(m * m) for m in mags])))
@@ -138,7 +140,13 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
 
 
 def _known(updates: Any, leaves: list[jax.Array], sums: list[jax.Array]) -> list[jax.Array]:
-    """Each leaf's float32 sum of squares: from ``sums`` for the very arrays in ``leaves``."""
+    """Each leaf's float32 sum of squares: from ``sums`` for the very arrays in ``leaves``.
+
+    Identity is the contract of ``square_sums``: the sums belong to those very
+    arrays (tracers, under ``jit``). A transformation between the loss scaler
+    and this one makes new arrays, whose sums are then computed here; no other
+    property of an array can tell that it was not changed on the way.
+    """
     given = {id(x): (x, s) for x, s in zip(leaves, sums, strict=True)}
     out = []
     for x in jax.tree.leaves(updates):

@@ -106,13 +106,15 @@ def frozen() -> optax.GradientTransformation:
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
         _checks.state_of("frozen", state, optax.EmptyState)
-        return _tree.zeros_like(updates), state
+        return _tree.zeros_of_types(updates), state
 
     return optax.GradientTransformation(_frozen_init, update_fn)
 
 
 # Every optax.set_to_zero() (optax's own way to freeze) has an update of this code
 # (a fresh object, matching nothing, should a later optax make it no function).
+# The code object is the only mark it has: optax gives it no type of its own, and
+# its init, optax.init_empty_state, is shared with optax.identity() and others.
 _SET_TO_ZERO_CODE = getattr(optax.set_to_zero().update, "__code__", object())
 
 
@@ -147,7 +149,7 @@ def _update_groups(txs, states, updates, params, index, extra_args, fused):
         group_params = None if params is None else _only(params, index, g)
         group_updates = _only(updates, index, g)
         if tx is None:
-            new = group_params if fused else _tree.zeros_like(group_updates)
+            new = group_params if fused else _tree.zeros_of_types(group_updates)
         else:
             new, state = _apply.step(tx, group_updates, state, group_params, extra_args, fused)
         for j, x in enumerate(treedef.flatten_up_to(new)):

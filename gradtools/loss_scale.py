@@ -90,7 +90,8 @@ def all_finite(tree: Any) -> jax.Array:
       False
     """
     leaves = _checks.numeric_leaves("all_finite", "tree", tree)
-    flags = [_tuning.leaf_finite(jnp.asarray(x)) for x in leaves]
+    flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
+    # stacked 32 at a time: one fusion of a flag per leaf compiles superlinearly in their number
     return jnp.all(_tuning.stack_scalars(flags)) if flags else jnp.array(True)
 
 
@@ -98,6 +99,7 @@ def _unscale(grads: Any, inv_scale: jax.Array, params: Any) -> Any:
     """``grads * inv_scale`` in float32, cast to each param's dtype (float32 without params)."""
     leaves, treedef = jax.tree.flatten(grads)
     like = [jnp.float32] * len(leaves) if params is None else treedef.flatten_up_to(params)
+    # one copy of the factor per leaf: XLA:CPU otherwise writes a merged broadcast out in full
     factors = _tuning.distinct_scalars(inv_scale, leaves)
     unscaled = [
         (jnp.asarray(g, jnp.float32) * f).astype(jnp.result_type(p))
@@ -126,8 +128,39 @@ def _init(inner: optax.GradientTransformation, init_scale: Any, params: Any) -> 
     )
 
 
-def _loss_scaler(caller: str, inner, init_scale, adjust, skip_nonfinite: bool, axis_name):
-    """The wrapper both loss scalers share: ``adjust(scale, good_steps, finite)`` sets the scale."""
+def _finite_check(grads: Any, inv: jax.Array, params: Any, axis_name: Hashable | None):
+    """``(sums, bad)``: each unscaled leaf's float32 sum of squares, and which leaves overflowed.
+
+    One read of the gradients gives both (:func:`gradtools._tuning.checked_square_sum`:
+    a NaN sum marks a leaf that is not finite, where a separate check would
+    read every leaf twice). With ``axis_name`` the flags are agreed over
+    devices, so that every device takes the same branch.
+    """
+    leaves = jax.tree.leaves(_unscale(grads, inv, params))
+    sums = [_tuning.checked_square_sum(g) for g in leaves]
+    bad = jnp.isnan(_tuning.stack_scalars(sums)) if sums else jnp.zeros([0], jnp.bool_)
+    if axis_name is not None:
+        bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return sums, bad
+
+
+def _next_state(state: LossScaleState, rule, finite, ok, bad, inner_state) -> LossScaleState:
+    """The state after a step: the scale ``rule`` applied, skipped steps and writes counted."""
+    scale, good_steps = rule(state.loss_scale, state.good_steps, finite)
+    skipped, written = state.skipped_steps, state.nonfinite_updates
+    return LossScaleState(
+        loss_scale=jnp.asarray(scale).astype(jnp.float32),
+        good_steps=jnp.asarray(good_steps).astype(jnp.int32),
+        skipped_steps=jnp.where(finite & ok, skipped, optax.safe_increment(skipped)),
+        finite=finite,
+        nonfinite_updates=jnp.where(ok, written, optax.safe_increment(written)),
+        nonfinite_leaves=jnp.where(finite, state.nonfinite_leaves, bad),
+        inner_state=inner_state,
+    )
+
+
+def _loss_scaler(caller: str, inner, init_scale, rule, skip_nonfinite: bool, axis_name):
+    """The wrapper both loss scalers share: ``rule(scale, good_steps, finite)`` sets the scale."""
     inner = optax.with_extra_args_support(inner)
 
     def step(grads, state, params, extra_args, fused):
@@ -135,18 +168,12 @@ def _loss_scaler(caller: str, inner, init_scale, adjust, skip_nonfinite: bool, a
         _checks.real_leaves(caller, "updates", grads)
         _checks.check_like(caller, grads, params)
         inv = 1.0 / state.loss_scale
-        # One read of the gradients gives the sums and which leaves are not finite (NaN sums).
-        sums = [
-            _tuning.checked_square_sum(g) for g in jax.tree.leaves(_unscale(grads, inv, params))
-        ]
-        bad = jnp.isnan(_tuning.stack_scalars(sums)) if sums else jnp.zeros([0], jnp.bool_)
-        if axis_name is not None:  # every device takes the same branch
-            bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        sums, bad = _finite_check(grads, inv, params, axis_name)
         finite = ~jnp.any(bad)
         # With half-precision params or state, a finite step may still write inf or NaN.
         check_writes = skip_nonfinite and bool(_half_leaves((params, state.inner_state)))
 
-        def run(grads):  # unscaled again here, so that XLA need not store the unscaled copy
+        def do_update(grads):  # unscaled again here, so that XLA need not store the unscaled copy
             unscaled = _unscale(grads, inv, params)
             shared = {"square_sums": (jax.tree.leaves(unscaled), sums)} if skip_nonfinite else {}
             extra = {**shared, **extra_args}  # finite here: a clip right inside reuses the sums
@@ -155,29 +182,48 @@ def _loss_scaler(caller: str, inner, init_scale, adjust, skip_nonfinite: bool, a
                 return out, (new_inner, jnp.array(True))
             new_params = out if fused else optax.apply_updates(params, out)
             ok = all_finite((new_params, _half_leaves(new_inner)))  # float32 may hold an inf norm
-            old = (params if fused else _tree.zeros_like(out), state.inner_state)
-            out, new_inner = jax.tree.map(functools.partial(jnp.where, ok), (out, new_inner), old)
+            old = (params if fused else _tree.zeros_of_types(out), state.inner_state)
+            out, new_inner = optax.tree.where(ok, (out, new_inner), old)
             return out, (new_inner, ok)
 
+        def reject_update(like, grads):  # no optimizer work: the params or zero updates
+            del grads
+            out = params if fused else _tree.zeros_of_types(like[0])
+            return out, (state.inner_state, jnp.array(True))
+
         if skip_nonfinite:
-            carry = (state.inner_state, jnp.array(True))
-            out, (inner_state, ok) = _apply.step_or_skip(finite, run, grads, fused, params, carry)
+            out, (inner_state, ok) = _apply.cond(finite, do_update, reject_update, grads)
         else:
-            out, (inner_state, ok) = run(grads)
-        scale, good_steps = adjust(state.loss_scale, state.good_steps, finite)
-        skipped, written = state.skipped_steps, state.nonfinite_updates
-        return out, LossScaleState(
-            loss_scale=scale.astype(jnp.float32),
-            good_steps=good_steps.astype(jnp.int32),
-            skipped_steps=jnp.where(finite & ok, skipped, optax.safe_increment(skipped)),
-            finite=finite,
-            nonfinite_updates=jnp.where(ok, written, optax.safe_increment(written)),
-            nonfinite_leaves=jnp.where(finite, state.nonfinite_leaves, bad),
-            inner_state=inner_state,
-        )
+            out, (inner_state, ok) = do_update(grads)
+        return out, _next_state(state, rule, finite, ok, bad, inner_state)
 
     init_fn = functools.partial(_init, inner, init_scale)
     return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
+
+
+def _dynamic_scale_rule(
+    scale,
+    good_steps,
+    finite,
+    *,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    min_scale,
+    max_scale,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`dynamic_loss_scale`'s rule, ``(scale, good_steps)`` after a step: the
+    ``growth_interval``-th finite step in a row grows the scale, a non-finite one backs off."""
+    good_steps = jnp.asarray(optax.safe_increment(good_steps))
+    grow = good_steps >= growth_interval
+    grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
+    scale = jnp.where(finite, grown, jnp.maximum(scale * backoff_factor, min_scale))
+    return scale, jnp.where(finite & ~grow, good_steps, 0)
+
+
+def _fixed_scale_rule(scale, good_steps, finite) -> tuple[jax.Array, jax.Array]:
+    """:func:`fixed_loss_scale`'s rule: the scale ``scale``; finite steps in a row counted."""
+    return jnp.asarray(scale, jnp.float32), jnp.where(finite, optax.safe_increment(good_steps), 0)
 
 
 def dynamic_loss_scale(
@@ -261,14 +307,15 @@ def dynamic_loss_scale(
     _checks.positive_int("growth_interval", growth_interval)
     _checks.hashable("axis_name", axis_name)
 
-    def adjust(scale, good_steps, finite):
-        good_steps = jnp.asarray(optax.safe_increment(good_steps))
-        grow = good_steps >= growth_interval
-        grown = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
-        scale = jnp.where(finite, grown, jnp.maximum(scale * backoff_factor, min_scale))
-        return scale, jnp.where(finite & ~grow, good_steps, 0)
-
-    return _loss_scaler("dynamic_loss_scale", inner, init_scale, adjust, True, axis_name)
+    rule = functools.partial(
+        _dynamic_scale_rule,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
+    return _loss_scaler("dynamic_loss_scale", inner, init_scale, rule, True, axis_name)
 
 
 def fixed_loss_scale(
@@ -325,13 +372,11 @@ def fixed_loss_scale(
     _checks.is_bool("skip_nonfinite", skip_nonfinite)
     _checks.hashable("axis_name", axis_name)
 
-    def adjust(current, good_steps, finite):
+    def rule(current, good_steps, finite):
         del current  # the state's: the given scale replaces it (inject_hyperparams may change it)
-        return jnp.asarray(scale, jnp.float32), jnp.where(
-            finite, optax.safe_increment(good_steps), 0
-        )
+        return _fixed_scale_rule(scale, good_steps, finite)
 
-    return _loss_scaler("fixed_loss_scale", inner, scale, adjust, skip_nonfinite, axis_name)
+    return _loss_scaler("fixed_loss_scale", inner, scale, rule, skip_nonfinite, axis_name)
 
 
 def _find_state(opt_state: optax.OptState, caller: str) -> LossScaleState:

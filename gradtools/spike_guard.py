@@ -85,9 +85,7 @@ def _clip(
 ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """Scales a spike down to ``limit``: ``(out, inner_state, used_norm, enters)``."""
     factor = jnp.where(spike, limit / norm, jnp.ones([], jnp.float32))
-    clipped = jax.tree.map(
-        lambda s, g: jnp.where(spike, s, g), _tree.scale_f32(grads, factor), grads
-    )
+    clipped = optax.tree.where(spike, _tree.scale_f32(grads, factor), grads)
     rescaled = sums
     if sums is not None:  # the sums of the clipped grads, read again only on a spike
         rescaled = lax.cond(

@@ -17,7 +17,7 @@ INF = float("inf")
 
 
 def reference_dynamic(pattern, init, growth_factor, backoff, interval, lo, hi):
-    """The scale after each step, written straight from DESIGN.md's rule."""
+    """The scale after each step, written straight from the rule in docs/internals.md."""
     scale, good, out = init, 0, []
     for finite in pattern:
         if finite:
@@ -640,3 +640,33 @@ def test_axis_name_makes_every_device_skip(axis_name):
     np.testing.assert_array_equal(updates, np.zeros((4, 3)))
     assert list(scales) == [2.0] * 4
     assert list(skipped) == [1] * 4
+
+
+def test_the_dynamic_scale_rule_alone_follows_the_reference():
+    """The rule as a unit (as jmp tests ``adjust``), without the optimizer around it."""
+    from gradtools.loss_scale import _dynamic_scale_rule
+
+    kw = dict(
+        growth_factor=2.0, backoff_factor=0.5, growth_interval=3, min_scale=1.0, max_scale=16.0
+    )
+    rule = jax.jit(lambda s, g, f: _dynamic_scale_rule(s, g, f, **kw))
+    scale, good, got = jnp.float32(4.0), jnp.int32(0), []
+    for finite in PATTERN:
+        scale, good = rule(scale, good, jnp.bool_(finite))
+        got.append(float(scale))
+    assert got == reference_dynamic(PATTERN, 4.0, 2.0, 0.5, 3, 1.0, 16.0)
+
+
+def test_the_fixed_scale_rule_keeps_the_scale_and_counts_finite_steps_in_a_row():
+    from gradtools.loss_scale import _fixed_scale_rule
+
+    good, counts = jnp.int32(0), []
+    for finite in PATTERN:
+        scale, good = _fixed_scale_rule(8.0, good, jnp.bool_(finite))
+        assert float(scale) == 8.0
+        counts.append(int(good))
+    want, run = [], 0
+    for finite in PATTERN:
+        run = run + 1 if finite else 0
+        want.append(run)
+    assert counts == want
