@@ -1,4 +1,4 @@
-"""Every public transform against the rules every transform keeps (DESIGN.md).
+"""Every public transform against the rules every transform keeps (docs/internals.md).
 
 One table, ``TRANSFORMS``, lists each public transform as ``(id, factory,
 kwargs)``; every check below runs on every row. Each check compares real

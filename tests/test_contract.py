@@ -22,6 +22,7 @@ import inspect
 import re
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,8 @@ import optax
 import pytest
 
 import gradtools
+from gradtools import _apply
+from gradtools import _checks
 
 MAX = 2**31 - 1
 
@@ -60,6 +63,38 @@ class Contract:
 
 def every_2_then_4(windows_closed):
     return jnp.where(windows_closed < 1, 2, 4)
+
+
+class SkipSmallState(NamedTuple):
+    skipped: jax.Array  # shape=(), dtype=int32
+    inner_state: optax.OptState
+
+
+def skip_small(inner, *, threshold: float = 0.0):
+    """The template of docs/internals.md ("Adding a wrapper"), as written there."""
+    _checks.is_transform("inner", inner)
+    _checks.finite_non_negative("threshold", threshold)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipSmallState(jnp.zeros([], jnp.int32), inner.init(params))
+
+    def step(grads, state, params, extra_args, fused):
+        _checks.state_of("skip_small", state, SkipSmallState)
+        _checks.real_leaves("skip_small", "updates", grads)
+        _checks.check_like("skip_small", grads, params)
+        runs = gradtools.global_norm(grads) > threshold
+
+        def do_update(grads):
+            return _apply.step(inner, grads, state.inner_state, params, extra_args, fused)
+
+        out, inner_state = _apply.step_or_skip(
+            runs, do_update, grads, fused, params, state.inner_state
+        )
+        skipped = jnp.where(runs, state.skipped, optax.safe_increment(state.skipped))
+        return out, SkipSmallState(skipped, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
 
 
 SGD = optax.sgd(1.0)
@@ -138,6 +173,13 @@ CONTRACTS = [
         floats=("norm_type",),
     ),
     Contract("frozen", gradtools.frozen, dict(), takes_params=False),
+    Contract(
+        "skip_small",  # the template of docs/internals.md
+        skip_small,
+        dict(inner=optax.adam(0.1), threshold=100.0),
+        counters=(Counter("skipped"),),
+        floats=("threshold",),
+    ),
 ]
 ROWS = {row.id: row for row in CONTRACTS}
 COUNTERS = [(row.id, c.field) for row in CONTRACTS for c in row.counters]
@@ -265,3 +307,19 @@ def test_complex_float_hyperparameters_are_refused(row_id, name, value):
     row = ROWS[row_id]
     with pytest.raises((ValueError, TypeError), match=rf"\b{name}\b"):
         row.factory(**{**row.kwargs, name: value})
+
+
+def test_the_template_wrapper_skips_small_steps_as_optax_would_not_run_them():
+    """``skip_small`` against its reference: adam stepped only on the large gradients."""
+    tx, p = skip_small(optax.adam(0.1), threshold=2.0), params()
+    ref, ref_state = optax.adam(0.1), optax.adam(0.1).init(p)
+    state = tx.init(p)
+    for g in (grads(), jax.tree.map(lambda x: x * 0, grads()), grads()):  # norms 3.6, 0, 3.6
+        updates, state = jax.jit(tx.update)(g, state, p)
+        big = float(gradtools.global_norm(g)) > 2.0
+        want = ref.update(g, ref_state, p)[0] if big else jax.tree.map(jnp.zeros_like, g)
+        if big:
+            ref_state = ref.update(g, ref_state, p)[1]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, want)
+    assert int(state.skipped) == 1
+    assert int(state.inner_state[0].count) == 2  # adam stepped twice
