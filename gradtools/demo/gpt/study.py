@@ -100,12 +100,13 @@ def fp16_gradient_zeros(
         lambda: GPT(model.config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     )
     nnx.update(half, jax.tree.map(lambda p: p.astype(dtype), params))
+    return zero_fraction(nnx.state(_scaled_grads(half, batch, jnp.float32(scale)), nnx.Param))
 
-    @nnx.jit
-    def grads(m: GPT) -> Any:
-        return nnx.grad(lambda m: loss_fn(m, batch) * scale)(m)
 
-    return zero_fraction(nnx.state(grads(half), nnx.Param))
+@nnx.jit
+def _scaled_grads(model: GPT, batch: jax.Array, scale: jax.Array) -> Any:
+    """The gradients of ``loss * scale``, in the dtype of ``model``'s parameters."""
+    return nnx.grad(lambda m: loss_fn(m, batch) * scale)(model)
 
 
 def run_study(config: Config, text: data.Text | None = None) -> list[Row]:
