@@ -132,7 +132,8 @@ class _Accumulate:
 
         # Add this micro-step.
         window = self.add(state, grads, w, take)
-        micro_step = jnp.where(finite, optax.safe_increment(state.micro_step), state.micro_step)
+        # at most window_size <= 2**31 - 1: the window closes there, so it cannot wrap
+        micro_step = state.micro_step + finite.astype(jnp.int32)
         window_weight = state.window_weight + jnp.where(take, w, 0.0)
         size = state.window_size if callable(self.every_k) else self.every_k
         closes = (micro_step >= size) | jnp.asarray(flush)
