@@ -10,7 +10,6 @@ values as a flat dict, ready to log or to return from a jitted step.
 
 from __future__ import annotations
 
-from collections.abc import Container
 from typing import Any
 
 import jax
@@ -19,27 +18,32 @@ import numpy as np
 import optax
 
 from gradtools import _noise_scale
+from gradtools.accumulate import AccumulateState
+from gradtools.clipping import ClipByGlobalNormState
+from gradtools.group_norms import GroupNormsState
+from gradtools.loss_scale import LossScaleState
 from gradtools.naming import path_names
+from gradtools.spike_guard import SpikeGuardState
 
 __all__ = ["metrics", "nonfinite_leaves"]
 
-# (metric key, state class name, field): the first state of that class found in
-# the tree supplies the metric.
+# (metric key, state class, field): the first state of that class found in the
+# tree supplies the metric. A transform whose state reports a metric adds a row.
 _SOURCES = (
-    ("loss_scale", "LossScaleState", "loss_scale"),
-    ("skipped_steps", "LossScaleState", "skipped_steps"),
-    ("finite", "LossScaleState", "finite"),
-    ("nonfinite_updates", "LossScaleState", "nonfinite_updates"),
-    ("micro_step", "AccumulateState", "micro_step"),
-    ("dropped_micro_steps", "AccumulateState", "dropped_micro_steps"),
-    ("window_size", "AccumulateState", "window_size"),
+    ("loss_scale", LossScaleState, "loss_scale"),
+    ("skipped_steps", LossScaleState, "skipped_steps"),
+    ("finite", LossScaleState, "finite"),
+    ("nonfinite_updates", LossScaleState, "nonfinite_updates"),
+    ("micro_step", AccumulateState, "micro_step"),
+    ("dropped_micro_steps", AccumulateState, "dropped_micro_steps"),
+    ("window_size", AccumulateState, "window_size"),
 )
-# The state of optax.inject_hyperparams (optax's InjectHyperparamsState is no
-# longer produced by it).
+# optax.inject_hyperparams's state, found by its name: its class has moved and been
+# renamed across optax versions (InjectHyperparamsState is no longer produced).
 _HYPERPARAM_STATE = "InjectStatefulHyperparamsState"
 # Both measure the gradient norm before they act: grad_norm is that of the one
 # that sees the gradients first (see metrics()).
-_GRAD_NORM_STATES = {"ClipByGlobalNormState": "grad_norm", "SpikeGuardState": "guard_norm"}
+_GRAD_NORM_STATES = {ClipByGlobalNormState: "grad_norm", SpikeGuardState: "guard_norm"}
 
 
 def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
@@ -106,29 +110,28 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     # jnp.asarray: a flax.nnx.Optimizer keeps each state leaf in a Variable.
     out: dict[str, jax.Array] = {}
     for key, cls, field in _SOURCES:
-        found = optax.tree.get_all_with_path(opt_state, cls)
-        if found:
-            out[key] = jnp.asarray(getattr(found[0][1], field))
-    found = optax.tree.get_all_with_path(opt_state, "LossScaleState")
-    if found:
-        flags = jnp.asarray(found[0][1].nonfinite_leaves)
+        state = _first(opt_state, cls)
+        if state is not None:
+            out[key] = jnp.asarray(getattr(state, field))
+    scaler = _first(opt_state, LossScaleState)
+    if scaler is not None:
+        flags = jnp.asarray(scaler.nonfinite_leaves)
         out["nonfinite_leaf_count"] = jnp.sum(flags, dtype=jnp.int32)
-    first = _first_of(opt_state, _GRAD_NORM_STATES)
+    first = _first(opt_state, tuple(_GRAD_NORM_STATES))
     if first is not None:
-        out["grad_norm"] = jnp.asarray(getattr(first, _GRAD_NORM_STATES[type(first).__name__]))
-    found = optax.tree.get_all_with_path(opt_state, "SpikeGuardState")
-    if found:
-        guard = found[0][1]
+        out["grad_norm"] = jnp.asarray(getattr(first, _GRAD_NORM_STATES[type(first)]))
+    guard = _first(opt_state, SpikeGuardState)
+    if guard is not None:
         out["spikes"] = jnp.asarray(guard.spikes)
         out["norm_mean"] = jnp.asarray(guard.norm_mean)
         out["norm_std"] = jnp.sqrt(jnp.asarray(guard.norm_var))
-    found = optax.tree.get_all_with_path(opt_state, "GroupNormsState")
-    if found:
-        for label, norm in found[0][1].group_grad_norms.items():
+    groups = _first(opt_state, GroupNormsState)
+    if groups is not None:
+        for label, norm in groups.group_grad_norms.items():
             out[f"grad_norm/{label}"] = jnp.asarray(norm)
-    found = optax.tree.get_all_with_path(opt_state, "NoiseScaleState")
-    if found:
-        out.update(_noise_scale.report(found[0][1]))
+    noise = _first(opt_state, _noise_scale.NoiseScaleState)
+    if noise is not None:
+        out.update(_noise_scale.report(noise))
     found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
     rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
     if rates:
@@ -165,13 +168,13 @@ def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
       >>> gradtools.nonfinite_leaves(state, params)
       ['b']
     """
-    found = optax.tree.get_all_with_path(opt_state, "LossScaleState")
+    found = _all_with_depth(opt_state, LossScaleState)
     if not found:
         raise ValueError(
             "nonfinite_leaves: opt_state holds no LossScaleState. Wrap the optimizer, e.g. "
             "gradtools.dynamic_loss_scale(optax.adam(1e-3))"
         )
-    _, outermost = min(found, key=lambda pair: len(pair[0]))
+    _, outermost = min(found, key=lambda pair: pair[0])
     flags = np.asarray(outermost.nonfinite_leaves)
     names = jax.tree.leaves(path_names(params))
     if len(names) != flags.size:
@@ -182,7 +185,14 @@ def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
     return [n for n, bad in zip(names, flags) if bad]
 
 
-def _first_of(tree: Any, classes: Container[str]) -> Any:
-    """The first node of ``tree``, in tree order, whose class is named in ``classes``."""
-    found = jax.tree.leaves(tree, is_leaf=lambda x: type(x).__name__ in classes)
-    return next((x for x in found if type(x).__name__ in classes), None)
+def _all_with_depth(tree: Any, classes: type | tuple[type, ...]) -> list[tuple[int, Any]]:
+    """``(depth, node)`` of every node of ``tree`` that is an instance of ``classes``, in tree
+    order."""
+    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, classes))
+    return [(len(path), x) for path, x in found if isinstance(x, classes)]
+
+
+def _first(tree: Any, classes: type | tuple[type, ...]) -> Any:
+    """The first node of ``tree``, in tree order, that is an instance of ``classes``; or None."""
+    found = _all_with_depth(tree, classes)
+    return found[0][1] if found else None
