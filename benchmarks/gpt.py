@@ -20,7 +20,6 @@ weight_decay=0.1)``) after clipping the global norm to 1:
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -95,22 +94,19 @@ def _builders(loss_fn: Callable[..., Any], k: int, batch_size: int):
     gt_chain = optax.chain(gradtools.clip_by_global_norm(1.0), _adamw())
     protected = optax.apply_if_finite(optax_chain, max_consecutive_errors=1_000_000)
     scaled = gradtools.dynamic_loss_scale(gt_chain)
-    multi = optax.MultiSteps(optax_chain, k)
+    multi = optax.MultiSteps(optax_chain, k).gradient_transformation()
     acc = gradtools.accumulate(gt_chain, k)
     microbatched = _steps.optax_microbatch_step(loss_fn, optax_chain, k, batch_size)
-    out = {
+    return {
         A_OPTAX: (_steps.optax_step(loss_fn, optax_chain), optax_chain, 1),
         A_GRADTOOLS: (gradtools.train_step(loss_fn, gt_chain), gt_chain, 1),
         B_OPTAX: (_steps.optax_step(loss_fn, protected, scale=SCALE), protected, 1),
         B_GRADTOOLS: (gradtools.train_step(loss_fn, scaled), scaled, 1),
         C_MULTISTEPS: (_steps.optax_step(loss_fn, multi), multi, k),
         C_MICROBATCH: (microbatched, optax_chain, 1),
+        C_TRAIN_STEP: (gradtools.train_step(loss_fn, gt_chain, micro_batches=k), gt_chain, 1),
         C_ACCUMULATE: (gradtools.train_step(loss_fn, acc), acc, k),
     }
-    if "micro_batches" in inspect.signature(gradtools.train_step).parameters:
-        train_step = gradtools.train_step(loss_fn, gt_chain, micro_batches=k)  # pyright: ignore
-        out[C_TRAIN_STEP] = (train_step, gt_chain, 1)
-    return out
 
 
 def run_gpt(
@@ -144,8 +140,6 @@ def run_gpt(
         builders = _builders(loss_fn, k, batch)
         if match:
             builders = {n: b for n, b in builders.items() if re.search(match, n)}
-        if C_TRAIN_STEP not in builders:
-            notes.append("gradtools.train_step takes no micro_batches in this build: row skipped")
         log(f"gpt {size} {dtype}: compiling {len(builders)} variants")
         runners = {
             name: _steps.compile_runner(

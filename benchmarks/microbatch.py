@@ -21,7 +21,6 @@ adam(1e-3)))``; optax's is ``chain(optax.clip_by_global_norm(1.0), adam(1e-3))``
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -66,10 +65,6 @@ def mlp_loss(params: dict[str, dict[str, jax.Array]], x: jax.Array, y: jax.Array
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def _has_micro_batches() -> bool:
-    return "micro_batches" in inspect.signature(gradtools.train_step).parameters
-
-
 def _runners(k: int, params: Any, batch: tuple[Any, ...], match: str | None):
     """name -> a compiled runner, for the variants at ``k`` micro-batches."""
     gt_tx = gradtools.dynamic_loss_scale(
@@ -78,6 +73,9 @@ def _runners(k: int, params: Any, batch: tuple[Any, ...], match: str | None):
     optax_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
     acc_tx = gradtools.accumulate(gt_tx, k)
     builders: dict[str, Callable[[], _steps.Runner]] = {
+        GRADTOOLS: lambda: _steps.compile_runner(
+            gradtools.train_step(mlp_loss, gt_tx, micro_batches=k), params, gt_tx, [batch]
+        ),
         OPTAX: lambda: _steps.compile_runner(
             _steps.optax_microbatch_step(mlp_loss, optax_tx, k, batch[0].shape[0]),
             params,
@@ -88,15 +86,7 @@ def _runners(k: int, params: Any, batch: tuple[Any, ...], match: str | None):
             gradtools.train_step(mlp_loss, acc_tx), params, acc_tx, _steps.split_batch(batch, k)
         ),
     }
-    if _has_micro_batches():
-        builders[GRADTOOLS] = lambda: _steps.compile_runner(
-            gradtools.train_step(mlp_loss, gt_tx, micro_batches=k),  # pyright: ignore
-            params,
-            gt_tx,
-            [batch],
-        )
-    names = [n for n in (GRADTOOLS, OPTAX, ACCUMULATE) if n in builders]
-    return {n: builders[n]() for n in names if not match or re.search(match, n)}
+    return {n: build() for n, build in builders.items() if not match or re.search(match, n)}
 
 
 def run_microbatch(
@@ -115,8 +105,6 @@ def run_microbatch(
     if bad:
         raise ValueError(f"micro-batch counts {bad} must be >= 1 and divide the batch {batch}")
     notes = []
-    if not _has_micro_batches():
-        notes.append("gradtools.train_step takes no micro_batches in this build: rows skipped")
     params = mlp_params(width, depth)
     rng = np.random.default_rng(1)
     data = (

@@ -5,7 +5,6 @@ Structure only: no assertion here depends on a timing.
 
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import threading
@@ -467,10 +466,6 @@ STEPS = dataclasses.replace(
 )
 
 
-#: Whether this build's train_step splits a batch itself (else its rows are left out).
-MICRO_BATCHES = "micro_batches" in inspect.signature(gradtools.train_step).parameters
-
-
 @pytest.fixture(scope="module")
 def step_results():
     return cli.run(STEPS, log=lambda line: None, command="test steps")
@@ -478,17 +473,13 @@ def step_results():
 
 def test_microbatch_rows_time_both_forms_and_read_temp_bytes(step_results):
     rows = {(r["k"], r["variant"]): r for r in step_results["microbatch"]}
-    want = [microbatch.GRADTOOLS, microbatch.OPTAX] if MICRO_BATCHES else [microbatch.OPTAX]
-    assert set(rows) == {(2, v) for v in want}
+    assert set(rows) == {(2, microbatch.GRADTOOLS), (2, microbatch.OPTAX)}
     for r in rows.values():
         assert r["batch"] == 32 and len(r["samples_s"]) == 1 and r["median_s"] > 0
         assert r["peak_bytes"] >= r["temp_bytes"] > 0
     theirs = rows[2, microbatch.OPTAX]
     assert theirs["x_optax"] == 1.0 and theirs["temp_x_optax"] == 1.0
     assert "## Micro-batching" in report.render(step_results)
-    if not MICRO_BATCHES:
-        assert any("takes no micro_batches" in n for n in step_results["notes"])
-        return
     found = {t["target"]: t for t in report.targets(step_results)}
     temp = found["microbatch: train_step(micro_batches=k) temp bytes / optax.microbatching's"]
     mine = rows[2, microbatch.GRADTOOLS]
@@ -500,8 +491,7 @@ def test_gpt_rows_or_a_note(step_results):
     if not rows:
         assert any("gradtools.demo.gpt is not in this build" in n for n in step_results["notes"])
         return
-    want = {gpt.A_OPTAX, gpt.A_GRADTOOLS, gpt.C_MICROBATCH}
-    assert set(rows) == (want | {gpt.C_TRAIN_STEP} if MICRO_BATCHES else want)
+    assert set(rows) == {gpt.A_OPTAX, gpt.A_GRADTOOLS, gpt.C_MICROBATCH, gpt.C_TRAIN_STEP}
     for r in rows.values():
         assert (r["size"], r["batch"], r["seq"], r["k"]) == ("tiny", 4, 4, 4)
         assert len(r["samples_s"]) == 1 and r["temp_bytes"] >= 0
@@ -573,11 +563,10 @@ def test_the_compared_steps_take_the_same_step():
         "accumulate": after(
             gradtools.train_step(microbatch.mlp_loss, acc), acc, _steps.split_batch((x, y), 4)
         ),
-    }
-    if MICRO_BATCHES:
-        got["micro_batches"] = after(
+        "micro_batches": after(
             gradtools.train_step(microbatch.mlp_loss, tx, micro_batches=4), tx, [(x, y)]
-        )
+        ),
+    }
     before = jax.tree.leaves(params)
     for name, p in got.items():
         for a, b, p0 in zip(jax.tree.leaves(p), jax.tree.leaves(want), before):
