@@ -15,7 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+
+from gradtools import _tree
+from gradtools.loss_scale import LossScaleState
 
 __all__ = [
     "loss_scaler_outside",
@@ -133,7 +135,7 @@ def loss_scaler_outside(
     scaler inside one group unscales only that group's. ``names`` and
     ``frozen`` tell each group's name and whether it is frozen.
     """
-    scaled = [g for g, s in enumerate(states) if optax.tree.get_all_with_path(s, "LossScaleState")]
+    scaled = [g for g, s in enumerate(states) if _tree.find(s, LossScaleState)]
     unscaled = [g for g in range(len(states)) if g not in scaled and not frozen[g]]
     if scaled and unscaled:
         raise ValueError(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from gradtools import _checks
 
-__all__ = ["match_types", "scale_f32", "split_divisor", "zeros_of_types"]
+__all__ = ["find", "match_types", "scale_f32", "split_divisor", "zeros_of_types"]
 
 
 def scale_f32(tree: Any, *factors: jax.Array) -> Any:
@@ -92,3 +92,10 @@ def match_types(tree: Any, types: Any) -> Any:
         return jax.lax.pvary(x, missing)  # pyright: ignore[reportAttributeAccessIssue]
 
     return jax.tree.map(one, tree, types)
+
+
+def find(tree: Any, classes: type | tuple[type, ...]) -> list[tuple[Any, Any]]:
+    """``(path, node)`` of every node of ``tree`` that is an instance of ``classes``, in tree
+    order (a state inside an ``nnx.Optimizer`` or a restored checkpoint keeps its class)."""
+    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, classes))
+    return [(path, x) for path, x in found if isinstance(x, classes)]

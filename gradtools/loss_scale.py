@@ -380,7 +380,7 @@ def fixed_loss_scale(
 
 
 def _find_state(opt_state: optax.OptState, caller: str) -> LossScaleState:
-    found = optax.tree.get_all_with_path(opt_state, "LossScaleState")
+    found = _tree.find(opt_state, LossScaleState)
     if not found:
         raise ValueError(
             f"{caller}: opt_state holds no LossScaleState. Wrap the optimizer, e.g. "

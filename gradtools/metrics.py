@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from gradtools import _noise_scale
+from gradtools import _tree
 from gradtools.accumulate import AccumulateState
 from gradtools.clipping import ClipByGlobalNormState
 from gradtools.group_norms import GroupNormsState
@@ -168,13 +169,13 @@ def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
       >>> gradtools.nonfinite_leaves(state, params)
       ['b']
     """
-    found = _all_with_depth(opt_state, LossScaleState)
+    found = _tree.find(opt_state, LossScaleState)
     if not found:
         raise ValueError(
             "nonfinite_leaves: opt_state holds no LossScaleState. Wrap the optimizer, e.g. "
             "gradtools.dynamic_loss_scale(optax.adam(1e-3))"
         )
-    _, outermost = min(found, key=lambda pair: pair[0])
+    _, outermost = min(found, key=lambda pair: len(pair[0]))
     flags = np.asarray(outermost.nonfinite_leaves)
     names = jax.tree.leaves(path_names(params))
     if len(names) != flags.size:
@@ -185,14 +186,7 @@ def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
     return [n for n, bad in zip(names, flags) if bad]
 
 
-def _all_with_depth(tree: Any, classes: type | tuple[type, ...]) -> list[tuple[int, Any]]:
-    """``(depth, node)`` of every node of ``tree`` that is an instance of ``classes``, in tree
-    order."""
-    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, classes))
-    return [(len(path), x) for path, x in found if isinstance(x, classes)]
-
-
 def _first(tree: Any, classes: type | tuple[type, ...]) -> Any:
     """The first node of ``tree``, in tree order, that is an instance of ``classes``; or None."""
-    found = _all_with_depth(tree, classes)
+    found = _tree.find(tree, classes)
     return found[0][1] if found else None

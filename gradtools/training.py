@@ -16,6 +16,8 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _tree
+from gradtools.loss_scale import LossScaleState
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
 
@@ -246,7 +248,7 @@ def train_step(
 
 def _gradients(loss_fn, has_aux, micro_batches, params, opt_state, args, kwargs):
     """``(grads, loss, aux)`` of the batch ``args``: scaled gradients, the unscaled loss."""
-    scaled = bool(optax.tree.get_all_with_path(opt_state, "LossScaleState"))
+    scaled = bool(_tree.find(opt_state, LossScaleState))
 
     def grads_of(p: Any, batch: tuple[Any, ...]) -> tuple[Any, Any]:
         """``grad(scaled total)`` and ``(total, count, aux)`` of one (micro-)batch."""
