@@ -29,6 +29,8 @@ from benchmarks.cases import update_cases
 from benchmarks.lenet import GRADTOOLS_STACK
 from benchmarks.lenet import PLAIN_OPTAX
 
+pytestmark = pytest.mark.slow  # CI runs these after the README's command
+
 # Few cases, few leaves, one round: seconds, not minutes.
 TINY = cli.Config(
     sizes=(1024,),

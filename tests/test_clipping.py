@@ -44,6 +44,7 @@ def test_global_norm_matches_numpy(p):
     np.testing.assert_allclose(got, np_norm(tree, p), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p", [1, 2.0, 3, math.inf], ids=["L1", "L2", "L3", "Linf"])
 def test_global_norm_of_1100_leaves_matches_numpy_and_combines_32_at_a_time(p, widest_stack):
     # 1100 leaves take three levels of groups of 32 (1100 -> 35 -> 2 -> 1).

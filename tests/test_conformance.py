@@ -378,6 +378,7 @@ def test_state_round_trips_through_orbax(row_id, tmp_path):
     assert_same(restored["opt_state"], state)
 
 
+@pytest.mark.slow
 @pytest.mark.four_devices
 @pytest.mark.parametrize("row_id", IDS)
 def test_sharded_params_keep_their_layout_and_values(row_id):
@@ -399,6 +400,7 @@ def test_sharded_params_keep_their_layout_and_values(row_id):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
 
 
+@pytest.mark.slow
 @pytest.mark.four_devices
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize("row_id", IDS)
@@ -432,6 +434,7 @@ def test_explicit_mesh_axes_keep_layout_and_values(row_id, fused):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
 
 
+@pytest.mark.slow
 @pytest.mark.four_devices
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize("row_id", IDS)

@@ -147,6 +147,7 @@ def _numpy_lenet5(params, x):
 _full_float32 = jax.default_matmul_precision("highest")
 
 
+@pytest.mark.slow
 @_full_float32  # GPUs convolve float32 in TF32 by default
 def test_lenet5_computes_lecuns_network():
     model = LeNet5()
@@ -318,6 +319,7 @@ def _demo_updates(config, grads, steps, total_updates=_T):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warmup_steps", [0, 4])
 @pytest.mark.parametrize("name", [s for s in SCHEDULES if s != "warmup"])
 def test_schedules_give_the_help_texts_learning_rates(name, warmup_steps):
@@ -678,6 +680,7 @@ def test_cli_exits_130_on_ctrl_c(monkeypatch):
     assert main(["--no-progress"]) == 130
 
 
+@pytest.mark.slow
 @pytest.mark.four_devices
 def test_cli_reports_the_run(cli_run, uninterrupted):
     code, out, folder = cli_run
@@ -718,6 +721,7 @@ def test_four_devices_match_one(cli_run, uninterrupted, small):
     )
 
 
+@pytest.mark.slow
 def test_verbose_names_the_parameters_whose_gradients_overflowed(capsys):
     """--verbose: a skipped step prints the leaves given an inf, as path_names spells them."""
     from gradtools.demo.train import _report_skip

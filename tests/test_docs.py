@@ -82,7 +82,18 @@ def _id(page: pathlib.Path) -> str:
     return str(page.relative_to(DOCS))
 
 
-RUN_PAGES = [p for p in PAGES if _blocks(p, None)]
+# Pages whose examples train models for a while: CI runs them after the README's command.
+_SLOW_PAGES = {
+    "demo.md",
+    "guides/language_models.md",
+    "guides/from_mindspore.md",
+    "guides/from_optax.md",
+}
+RUN_PAGES = [
+    pytest.param(p, marks=pytest.mark.slow) if _id(p) in _SLOW_PAGES else p
+    for p in PAGES
+    if _blocks(p, None)
+]
 TORCH_PAGES = [p for p in PAGES if _blocks(p, "torch")]
 
 

@@ -70,6 +70,7 @@ def _state(result):
     )
 
 
+@pytest.mark.slow
 def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
     """Stopped mid-window (step 3 of windows of 2) with a float16 loss scale, then resumed."""
     config = Config(
@@ -87,6 +88,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
     assert resumed.val_bits_per_byte == whole.val_bits_per_byte
 
 
+@pytest.mark.slow
 def test_the_model_has_gpt2s_shapes_dtypes_and_a_tied_read_out():
     c = SIZES["tiny"]
     model = GPT(c, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -187,6 +189,7 @@ def test_zero_fraction_counts_exact_zeros():
     assert study.zero_fraction(tree) == 4 / 8
 
 
+@pytest.mark.slow
 def test_float16_gradients_flush_to_zero_where_float32_ones_do_not():
     model = GPT(SIZES["tiny"], rngs=nnx.Rngs(0))
     batch = jnp.asarray(data.eval_windows(data.load().valid, 64, 4))
@@ -196,6 +199,7 @@ def test_float16_gradients_flush_to_zero_where_float32_ones_do_not():
     assert study.fp16_gradient_zeros(model, batch, 2.0**10) < 0.01
 
 
+@pytest.mark.slow
 def test_the_study_runs_five_precisions_and_tabulates_them(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(
         SIZES, "tiny", GPTConfig(block_size=16, num_layers=1, num_heads=2, embed_dim=32)

@@ -11,6 +11,8 @@ from benchmarks.lenet_s2d import LeNet5S2D
 from benchmarks.lenet_s2d import compiler_options
 from gradtools.demo import LeNet5
 
+pytestmark = pytest.mark.slow  # CI runs these after the README's command
+
 
 def _assert_trees_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)

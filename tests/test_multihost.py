@@ -34,6 +34,8 @@ import numpy as np
 from gradtools.demo import __main__ as cli
 from gradtools.demo import data
 
+pytestmark = pytest.mark.slow  # CI runs these after the README's command
+
 read, results = [], []
 preprocess, train_and_evaluate = data.preprocess, cli.train_and_evaluate
 data.preprocess = lambda images: read.append(len(images)) or preprocess(images)

@@ -5,11 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
 import gradtools
+
+pytestmark = pytest.mark.slow  # CI runs these after the README's command
 
 STEPS = 48
 INT32_MAX = np.iinfo(np.int32).max
