@@ -19,6 +19,8 @@ import pytest
 
 from gradtools.demo.checkpoint import Checkpoints
 
+pytestmark = pytest.mark.slow  # CI runs these after the README's command
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARGV = ["--epochs", "1", "--batch-size", "64", "--accum-steps", "1", "--no-progress"]
 TIMEOUT_S = 240
@@ -33,8 +35,6 @@ import numpy as np
 
 from gradtools.demo import __main__ as cli
 from gradtools.demo import data
-
-pytestmark = pytest.mark.slow  # CI runs these after the README's command
 
 read, results = [], []
 preprocess, train_and_evaluate = data.preprocess, cli.train_and_evaluate
