@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import _xla
+
 __all__ = [
     "Runner",
     "compile_runner",
@@ -91,13 +93,7 @@ class Runner:
 
     def peak_bytes(self) -> int:
         """Arguments + outputs - donated aliases + temporaries of one call."""
-        m = self.executable.memory_analysis()
-        return int(
-            m.argument_size_in_bytes
-            + m.output_size_in_bytes
-            - m.alias_size_in_bytes
-            + m.temp_size_in_bytes
-        )
+        return _xla.peak_bytes(self.executable)
 
 
 def compile_runner(

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Compiled", "compile_step", "hlo_copies", "nbytes"]
+__all__ = ["Compiled", "compile_step", "hlo_copies", "nbytes", "peak_bytes"]
 
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\S* copy\(")
 
@@ -30,13 +30,7 @@ class Compiled:
 
     def peak_bytes(self) -> int:
         """Arguments + outputs - donated aliases + temporaries (XLA's memory analysis)."""
-        m = self.executable.memory_analysis()
-        return int(
-            m.argument_size_in_bytes
-            + m.output_size_in_bytes
-            - m.alias_size_in_bytes
-            + m.temp_size_in_bytes
-        )
+        return peak_bytes(self.executable)
 
     def temp_bytes(self) -> int:
         return int(self.executable.memory_analysis().temp_size_in_bytes)
@@ -47,6 +41,17 @@ class Compiled:
         if isinstance(cost, list | tuple):  # older jax: one dict per computation
             cost = cost[0] if cost else {}
         return float((cost or {}).get("bytes accessed", float("nan")))
+
+
+def peak_bytes(executable: Any) -> int:
+    """Arguments + outputs - donated aliases + temporaries of one call of ``executable``."""
+    m = executable.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
 
 
 def compile_step(step: Any, carry: Any, grads: Any) -> Compiled:

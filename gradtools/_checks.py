@@ -16,6 +16,7 @@ import numbers
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -191,6 +192,15 @@ def non_negative_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be an int >= 0")
     if int(value) > MAX_INT32:
         raise ValueError(f"{name}={value!r} must be at most 2**31 - 1: steps are counted in int32")
+
+
+def update_kwargs(value: Any) -> None:
+    """Checks that ``update_kwargs`` is ``None`` or a dict (of ``tx.update``'s extra arguments)."""
+    if value is not None and not isinstance(value, Mapping):
+        raise TypeError(
+            f"update_kwargs={value!r} must be a dict of tx.update's extra arguments,"
+            " e.g. {'flush': True}"
+        )
 
 
 def is_bool(name: str, value: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from flax import nnx
 
+from gradtools import _checks
 from gradtools.training import apply_gradients
 
 __all__ = ["Optimizer"]
@@ -99,11 +100,7 @@ class Optimizer(nnx.Optimizer):
         Raises:
           TypeError: if ``update_kwargs`` is not a dict.
         """
-        if update_kwargs is not None and not isinstance(update_kwargs, Mapping):
-            raise TypeError(
-                f"{update_kwargs=} must be a dict of tx.update's extra arguments,"
-                " e.g. {'flush': True}"
-            )
+        _checks.update_kwargs(update_kwargs)
         graph = {} if getattr(self, "graph", None) is None else {"graph": self.graph}
         params = _arrays(nnx.state(model, self.wrt, **graph))
         params, opt_state = apply_gradients(

@@ -11,6 +11,7 @@ from typing import Any
 
 from flax.training import train_state
 
+from gradtools import _checks
 from gradtools.training import apply_gradients
 
 __all__ = ["TrainState"]
@@ -82,11 +83,7 @@ class TrainState(train_state.TrainState):
         Raises:
           TypeError: if ``update_kwargs`` is not a dict.
         """
-        if update_kwargs is not None and not isinstance(update_kwargs, Mapping):
-            raise TypeError(
-                f"{update_kwargs=} must be a dict of tx.update's extra arguments,"
-                " e.g. {'flush': True}"
-            )
+        _checks.update_kwargs(update_kwargs)
         overwrite = isinstance(grads, Mapping) and _OVERWRITE in grads
         params = self.params["params"] if overwrite else self.params
         params, opt_state = apply_gradients(

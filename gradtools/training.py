@@ -228,8 +228,7 @@ def train_step(
         update_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> tuple[Any, optax.OptState, dict[str, Any]]:
-        if update_kwargs is not None and not isinstance(update_kwargs, Mapping):
-            raise TypeError(f"{update_kwargs=} must be a dict of tx.update's extra arguments")
+        _checks.update_kwargs(update_kwargs)
         _not_a_module(params)
         grads, loss, aux = _gradients(
             loss_fn, has_aux, micro_batches, params, opt_state, args, kwargs
