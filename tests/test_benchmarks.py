@@ -33,6 +33,8 @@ pytestmark = pytest.mark.slow  # CI runs these after the README's command
 
 # Few cases, few leaves, one round: seconds, not minutes.
 TINY = cli.Config(
+    # The microbatch and gpt sections have their own smoke run (STEPS, below).
+    sections=("update", "compile", "memory", "lenet"),
     sizes=(1024,),
     leaves=(2,),
     reps=1,
