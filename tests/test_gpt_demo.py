@@ -100,12 +100,16 @@ def test_the_model_has_gpt2s_shapes_dtypes_and_a_tied_read_out():
     names = jax.tree.leaves(gradtools.path_names(params))
     assert not [n for n in names if "head" in n]  # no output matrix of its own
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-    logits = model(tokens)
+
+    @nnx.jit
+    def logits_and_tied(model, tokens):
+        x = model.wte(tokens) + model.wpe(jnp.arange(16))
+        for b in model.blocks:
+            x = b(x)
+        return model(tokens), model.ln_f(x).astype(jnp.float32) @ model.wte.embedding[...].T
+
+    logits, tied = logits_and_tied(model, tokens)
     assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
-    x = model.wte(tokens) + model.wpe(jnp.arange(16))
-    for b in model.blocks:
-        x = b(x)
-    tied = model.ln_f(x).astype(jnp.float32) @ model.wte.embedding[...].T
     np.testing.assert_allclose(logits, tied, rtol=2e-2, atol=2e-2)
     std = float(jnp.std(model.blocks[0].qkv.kernel[...]))
     assert 0.018 < std < 0.022  # GPT-2's init
