@@ -99,12 +99,13 @@ class LossSum(NamedTuple):
     batch rather than average per micro-batch means::
 
       loss = sum(total_i) / sum(count_i)     # over the micro-batches i
-      grads = sum(grad(total_i)) / sum(count_i)
+      grads = sum(count_i * grad(scale_loss(total_i / count_i))) / sum(count_i)
 
     which is the token-weighted mean even when micro-batches hold different
     numbers of valid (unpadded) tokens. A batch with a count of 0 gives zero
-    gradients, not NaN. The totals are larger than means, so with float16 a
-    dynamic loss scale settles lower.
+    gradients, not NaN. The loss scaler scales each micro-batch's mean, never
+    its total, and the weighing by counts is done in float32: a float16 step
+    overflows (and a dynamic scale settles) as it would for a mean loss.
 
     Attributes:
       total: the sum of the per-example (or per-token) losses, a scalar.
@@ -246,26 +247,33 @@ def train_step(
 
 
 def _gradients(loss_fn, has_aux, micro_batches, params, opt_state, args, kwargs):
-    """``(grads, loss, aux)`` of the batch ``args``: scaled gradients, the unscaled loss."""
+    """``(grads, loss, aux)`` of the batch ``args``: scaled gradients, the unscaled loss.
+
+    The scaled quantity is always a mean: a :class:`LossSum` is divided by its
+    count before it is scaled (its gradient is then weighed by the count), so a
+    sum over many tokens overflows float16 no sooner than their mean would.
+    """
     scaled = bool(_tree.find(opt_state, LossScaleState))
 
     def grads_of(p: Any, batch: tuple[Any, ...]) -> tuple[Any, Any]:
-        """``grad(scaled total)`` and ``(total, count, aux)`` of one (micro-)batch."""
+        """``grad(scaled mean)`` and ``(total, count, aux)`` of one (micro-)batch."""
 
         def objective(p):
             loss, aux = _split(loss_fn(p, *batch, **kwargs), has_aux)
-            total, count = (loss.total, loss.count) if isinstance(loss, LossSum) else (loss, None)
-            return (scale_loss(total, opt_state) if scaled else total), (total, count, aux)
+            if isinstance(loss, LossSum):
+                total, count = loss.total, jnp.asarray(loss.count, jnp.float32)
+                mean = jnp.asarray(total, jnp.float32) * _inverse(count)
+            else:
+                total, count, mean = loss, None, loss
+            return (scale_loss(mean, opt_state) if scaled else mean), (total, count, aux)
 
         return jax.grad(objective, has_aux=True)(p)
 
     if micro_batches == 1:
         grads, (loss, count, aux) = grads_of(params, args)
-        if count is None:  # a mean loss
-            return grads, loss, aux
-    else:
-        grads, (loss, count, aux) = _scan(grads_of, params, args, micro_batches)
-    return _divide(grads, count), _divide(loss, count), aux
+        return grads, loss if count is None else _mean(loss, count), aux
+    grads, (loss, count, aux) = _scan(grads_of, params, args, micro_batches)
+    return grads, _mean(loss, count), aux
 
 
 def _apply_or_explain(tx, grads, opt_state, params, extra, update_kwargs):
@@ -285,18 +293,24 @@ def _apply_or_explain(tx, grads, opt_state, params, extra, update_kwargs):
         ) from err
 
 
-def _divide(tree: Any, count: Any) -> Any:
-    """``tree / count`` computed in float32, each leaf cast back to its dtype; 0 / 0 is 0."""
-    count = jnp.asarray(count, jnp.float32)
-    count = jnp.where(count == 0, 1.0, count)
-    return jax.tree.map(lambda x: (x.astype(jnp.float32) / count).astype(x.dtype), tree)
+def _inverse(count: jax.Array) -> jax.Array:
+    """``1 / count`` in float32, and 0 for a count of 0 (a batch of no tokens weighs nothing)."""
+    return jnp.where(count == 0, 0.0, 1.0 / jnp.where(count == 0, 1.0, count))
+
+
+def _mean(total: Any, count: jax.Array) -> jax.Array:
+    """``total / count`` computed in float32, cast back to ``total``'s dtype; 0 / 0 is 0."""
+    return (jnp.asarray(total, jnp.float32) * _inverse(count)).astype(jnp.result_type(total))
 
 
 def _scan(grads_of: Callable, params: Any, args: tuple[Any, ...], k: int) -> tuple[Any, Any]:
-    """The sums over ``k`` micro-batches of ``grads_of``'s gradients, totals and counts.
+    """The weighted mean over ``k`` micro-batches of ``grads_of``'s gradients, the sums of the
+    totals and counts.
 
-    A ``lax.scan`` with a static trip count; gradients and totals are summed
-    in float32 (the gradients are cast back to their dtypes), auxiliary
+    A ``lax.scan`` with a static trip count. Each micro-batch's gradient (of
+    its mean) is weighed by its count (1 for a mean loss) and summed in
+    float32; the sum is divided by the total count in float32 before it is
+    cast to the params' dtypes, so a float16 sum never overflows. Auxiliary
     outputs are stacked along a new leading axis.
     """
     batches, rebuild = _micro_batches(args, k)
@@ -305,14 +319,15 @@ def _scan(grads_of: Callable, params: Any, args: tuple[Any, ...], k: int) -> tup
     def body(carry, batch):
         grads, (total, count, aux) = grads_of(params, rebuild(batch))
         sums, total_sum, count_sum = carry
-        sums = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), sums, grads)
+        w = jnp.ones([], jnp.float32) if count is None else count  # a mean loss counts as one
+        sums = jax.tree.map(lambda s, g: s + g.astype(jnp.float32) * w, sums, grads)
         total_sum = total_sum + jnp.asarray(total, jnp.float32)
-        count = 1.0 if count is None else count  # a mean loss counts as one
-        return (sums, total_sum, count_sum + jnp.asarray(count, jnp.float32)), (total, aux)
+        return (sums, total_sum, count_sum + w), (total, aux)
 
     init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
     (sums, total, count), (totals, aux) = lax.scan(body, init, batches)
-    grads = jax.tree.map(lambda s, p: s.astype(jnp.result_type(p)), sums, params)
+    inverse = _inverse(count)
+    grads = jax.tree.map(lambda s, p: (s * inverse).astype(jnp.result_type(p)), sums, params)
     return grads, (total.astype(totals.dtype), count, aux)
 
 

@@ -100,6 +100,51 @@ def test_an_overflow_in_one_micro_batch_skips_the_whole_step():
     assert not np.array_equal(new_params["w"], params["w"])
 
 
+def test_float16_micro_batch_gradients_are_averaged_in_float32_not_summed_in_float16():
+    """Two float16 micro-batch gradients of 2**15 each: their sum, 2**16, is past 65504."""
+    params = {"w": jnp.zeros(2, jnp.float16)}
+    x = np.full((4, 2), 2.0**14, np.float32)  # each micro-batch of 2: a gradient of 2**15
+
+    def loss_fn(p, x):
+        return jnp.sum(p["w"] * x.astype(jnp.float16))
+
+    tx = optax.sgd(2.0**-15)
+    new, _, _ = jax.jit(gradtools.train_step(loss_fn, tx, micro_batches=2))(
+        params, tx.init(params), x
+    )
+    # NumPy: the mean of the two micro-batch gradients is 2**15; one SGD step of 2**-15.
+    assert new["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [-1.0, -1.0])
+
+
+def _skips_in_float16(loss_fn, steps=20):
+    """Updates a dynamic loss scale from 2**15 skips in ``steps`` float16 steps of ``loss_fn``."""
+    params = {"w": jnp.ones(4, jnp.float16)}
+    tx = gradtools.dynamic_loss_scale(optax.sgd(1e-4), init_scale=2.0**15)
+    step = jax.jit(gradtools.train_step(loss_fn, tx, micro_batches=2))
+    state = tx.init(params)
+    x = np.random.default_rng(0).uniform(0.5, 1.0, size=(2, 4096, 4)).astype(np.float16)
+    for _ in range(steps):
+        params, state, m = step(params, state, x)
+    return int(m["skipped_steps"])
+
+
+def test_loss_sum_over_thousands_of_tokens_skips_no_more_float16_steps_than_a_mean():
+    """The scaled quantity is each micro-batch's mean: 4096 tokens, gradient ~1 per token."""
+
+    def token_losses(p, x):
+        return jnp.sum(x * p["w"], axis=-1)  # float16, one loss per token
+
+    mean_skips = _skips_in_float16(lambda p, x: jnp.mean(token_losses(p, x)))
+    sum_skips = _skips_in_float16(
+        lambda p, x: gradtools.LossSum(jnp.sum(token_losses(p, x)), x.shape[0] * x.shape[1])
+    )
+    # 2**15 times a mean gradient below 1 fits float16; times the sum over 4096 tokens would
+    # not, until the scale had halved 12 times (12 skipped steps).
+    assert mean_skips == 0
+    assert sum_skips == mean_skips
+
+
 def test_loss_is_the_mean_of_unscaled_losses_and_aux_is_stacked():
     params, x, y = _setup(12)
 
