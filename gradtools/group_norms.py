@@ -85,7 +85,11 @@ def group_norms(
       ValueError: if a regex is invalid or ``norm_type`` is below 1 or no
         number (when built); at ``init``, if a rule matches no parameter (or
         only ones taken by earlier rules), or a parameter matches no rule
-        while ``default is None``: the message names a few parameters.
+        while ``default is None``: the message names a few parameters; when
+        ``update`` is traced, if the updates fall into other groups than the
+        params given to ``init``, or if ``params`` are given (as
+        ``optax.chain`` passes them) and the updates differ from them in tree
+        structure or in a leaf's shape: the message names those leaves.
 
     Example:
       >>> import jax.numpy as jnp
@@ -120,9 +124,12 @@ def group_norms(
         return GroupNormsState({k: jnp.zeros([], jnp.float32) for k in grouped(params)})
 
     def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
-        del params, extra_args
+        del extra_args
         _checks.state_of("group_norms", state, GroupNormsState)
         _checks.real_leaves("group_norms", "updates", updates)
+        if isinstance(params, optax.LookaheadParams):  # chained before an optax.lookahead
+            params = params.fast
+        _checks.check_like("group_norms", updates, params)
         groups = grouped(updates)
         if set(groups) != set(state.group_grad_norms):
             raise ValueError(

@@ -169,7 +169,6 @@ CONTRACTS = [
         "group_norms",
         gradtools.group_norms,
         dict(rules=[(r"^dense/", "dense")]),
-        takes_params=False,
         floats=("norm_type",),
     ),
     Contract("frozen", gradtools.frozen, dict(), takes_params=False),

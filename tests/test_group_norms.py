@@ -1,6 +1,7 @@
 """Tests for gradtools.group_norms against numpy.linalg.norm of each group's leaves."""
 
 import math
+import re
 
 import chex
 import jax
@@ -144,6 +145,78 @@ def test_updates_of_another_tree_are_refused():
     state = tx.init(grads())
     with pytest.raises(ValueError, match=r"the updates have the groups \['conv'\]"):
         tx.update({"conv": jnp.ones(2)}, state)
+
+
+def _edit(tree, layer, leaf, value):
+    """``tree`` with ``params/<layer>/<leaf>`` set to ``value`` (removed for ``None``)."""
+    out = jax.tree.map(lambda x: x, tree)  # a copy of the dicts
+    if value is None:
+        del out["params"][layer][leaf]
+    else:
+        out["params"].setdefault(layer, {})[leaf] = value
+    return out
+
+
+def _tree(only_in_updates, only_in_params):
+    """What a message on trees of another structure must say, in order."""
+    return [
+        "differ in tree structure",
+        f"leaves only in updates: {only_in_updates}",
+        f"leaves only in params: {only_in_params}",
+        "updates: PyTreeDef(",
+        "params: PyTreeDef(",
+    ]
+
+
+# Gradients unlike the params, each within the params' groups so that the labels
+# alone cannot tell: (gradients, what the message must say, in order).
+HEAD, BIAS = "['params']['head']['kernel']", "['params']['conv1']['bias']"
+UNLIKE = {
+    "extra_leaf": (
+        lambda g: _edit(g, "conv3", "kernel", jnp.ones((2, 4))),  # into 'conv'
+        _tree(["['params']['conv3']['kernel']"], []),
+    ),
+    "nested_leaf": (
+        lambda g: _edit(g, "head", "kernel", {"w": g["params"]["head"]["kernel"]}),
+        _tree([HEAD + "['w']"], [HEAD]),
+    ),
+    "missing_leaf": (
+        lambda g: _edit(g, "conv1", "bias", None),  # 'bias' keeps two leaves
+        _tree([], [BIAS]),
+    ),
+    "transposed": (
+        lambda g: _edit(g, "head", "kernel", g["params"]["head"]["kernel"].T),
+        ["differ in shape", f"{HEAD}: (3, 10) against (10, 3)"],
+    ),
+    "broadcastable": (
+        lambda g: _edit(g, "conv1", "bias", g["params"]["conv1"]["bias"][None]),
+        ["differ in shape", f"{BIAS}: (1, 4) against (4,)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNLIKE))
+def test_updates_unlike_the_params_are_refused_at_trace_time_naming_the_leaf(case):
+    change, parts = UNLIKE[case]
+    params = grads()
+    tx = optax.chain(gradtools.group_norms(RULES), optax.sgd(0.1))
+    pattern = "(?s)group_norms: the updates and the params " + ".*".join(map(re.escape, parts))
+    with pytest.raises(ValueError, match=pattern):
+        jax.jit(tx.update)(change(grads(1)), tx.init(params), params)
+
+
+def test_before_a_lookahead_it_checks_the_updates_against_the_fast_params():
+    params = {"conv": jnp.ones(2), "fc": jnp.ones(3)}
+    tx = optax.chain(
+        gradtools.group_norms([(r"conv", "conv")]), optax.lookahead(optax.sgd(1.0), 2, 0.5)
+    )
+    synced = optax.LookaheadParams.init_synced(params)
+    state = tx.init(synced)
+    g = {"conv": jnp.array([3.0, 4.0]), "fc": jnp.ones(3)}
+    _, state = jax.jit(tx.update)(g, state, synced)
+    assert float(state[0].group_grad_norms["conv"]) == 5.0
+    with pytest.raises(ValueError, match=re.escape("['fc']: (1, 3) against (3,)")):
+        jax.jit(tx.update)({**g, "fc": jnp.ones((1, 3))}, state, synced)
 
 
 @pytest.mark.parametrize(
