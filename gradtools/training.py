@@ -16,7 +16,9 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _step_checks
 from gradtools import _tree
+from gradtools.accumulate import AccumulateState
 from gradtools.loss_scale import LossScaleState
 from gradtools.loss_scale import scale_loss
 from gradtools.metrics import metrics
@@ -62,14 +64,19 @@ def apply_gradients(
       opt_state: ``tx``'s state.
       params: the params the gradients belong to.
       **extra_args: passed on to ``tx.update`` (e.g. :func:`gradtools.accumulate`'s
-        ``flush`` and ``weight``).
+        ``flush`` and ``weight``). ``flush`` or ``weight`` with no ``accumulate``
+        in ``tx``, or a near miss of a gradtools keyword (``flsh``), is warned
+        of; other keywords pass on silently, as optax's convention has them.
 
     Returns:
       ``(params, opt_state)`` after the step.
 
     Raises:
-      TypeError: if ``tx`` is not a GradientTransformation.
-      ValueError: if ``params`` is ``None``.
+      TypeError: if ``tx`` is not a GradientTransformation, or a keyword is
+        named ``update_kwargs``.
+      ValueError: if ``params`` is ``None``; when the step is traced, if
+        ``opt_state`` was built for other params (the message names each leaf
+        and both shapes).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -88,7 +95,12 @@ def apply_gradients(
     _checks.is_transform("tx", tx)
     if params is None:
         raise ValueError("apply_gradients: params=None; pass the params the gradients belong to")
-    return _apply.step(tx, grads, opt_state, params, extra_args, True)
+    _step_checks.update_keywords(extra_args, bool(_tree.find(opt_state, AccumulateState)))
+    try:
+        return _apply.step(tx, grads, opt_state, params, extra_args, True)
+    except (TypeError, ValueError):
+        _step_checks.explain_state("apply_gradients", tx, opt_state, params)  # if it can
+        raise
 
 
 class LossSum(NamedTuple):

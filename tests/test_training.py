@@ -157,8 +157,75 @@ def test_update_kwargs_for_plain_transform_is_an_error():
 
     tx = optax.scale(-1.0)  # a plain GradientTransformation: no extra arguments
     step = gradtools.train_step(loss_fn, tx)
-    with pytest.raises(TypeError, match="flush"):
+    with pytest.raises(TypeError, match="flush"), pytest.warns(UserWarning, match="flush"):
         step(jnp.zeros(2), tx.init(jnp.zeros(2)), update_kwargs={"flush": True})
+
+
+def _counting(name):
+    """A transformation of the user's own that counts how often it got keyword ``name``."""
+
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        return updates, state + (name in extra)
+
+    return optax.GradientTransformationExtraArgs(lambda p: jnp.zeros([], jnp.int32), update_fn)
+
+
+@pytest.mark.parametrize(
+    "tx, update_kwargs, warning",
+    [
+        (gradtools.accumulate(optax.sgd(1.0), 2), {"flsh": True}, "did you mean flush="),
+        (gradtools.accumulate(optax.sgd(1.0), 2), {"wieght": 2.0}, "did you mean weight="),
+        (optax.sgd(1.0), {"flush": True}, "flush= goes nowhere.*gradtools.accumulate"),
+        (gradtools.dynamic_loss_scale(optax.sgd(1.0)), {"weight": 2.0}, "weight= goes nowhere"),
+    ],
+    ids=["typo-flush", "typo-weight", "flush-no-accumulate", "weight-no-accumulate"],
+)
+def test_update_keywords_that_go_nowhere_are_warned_of(tx, update_kwargs, warning):
+    tx = optax.chain(tx, _counting("nothing"))
+    step = gradtools.train_step(jnp.sum, tx)
+    params = jnp.ones(2)
+    with pytest.warns(UserWarning, match=warning):
+        step(params, tx.init(params), update_kwargs=update_kwargs)
+    with pytest.warns(UserWarning, match=warning):
+        gradtools.apply_gradients(tx, params, tx.init(params), params, **update_kwargs)
+
+
+def test_a_keyword_for_the_users_own_transformation_passes_without_a_warning():
+    tx = optax.chain(gradtools.accumulate(optax.sgd(1.0), 1), _counting("temperature"))
+    step = jax.jit(gradtools.train_step(jnp.sum, tx))
+    params = jnp.ones(2)
+    _, state, _ = step(params, tx.init(params), update_kwargs={"temperature": 0.5})  # no warning
+    assert int(state[1]) == 1
+
+
+def test_flax_nnx_optimizer_given_update_kwargs_says_to_pass_keywords():
+    """flax's own nnx.Optimizer hands update_kwargs to tx.update as one keyword."""
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    tx = optax.chain(optax.clip(1.0), gradtools.accumulate(optax.sgd(1.0), 4))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    with pytest.raises(TypeError, match=r"optimizer.update\(model, grads, flush=True\)"):
+        optimizer.update(model, grads, update_kwargs={"flush": True})
+    kernel = np.asarray(model.kernel[...])
+    optimizer.update(model, grads, flush=True)  # flax's way: the window of one closes
+    np.testing.assert_allclose(model.kernel[...], kernel - 1.0)
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, gradtools.dynamic_loss_scale], ids=["adam", "dls"])
+def test_a_state_built_for_other_params_names_the_leaf_and_both_shapes(wrap):
+    tx = wrap(optax.adam(1e-3))
+    state = tx.init({"w": jnp.zeros(128), "b": jnp.zeros(3)})
+    params = {"w": jnp.zeros(256), "b": jnp.zeros(3)}
+    step = jax.jit(gradtools.train_step(lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"]), tx))
+    message = r"mu\['w'\]: shape \(128,\), where tx.init\(params\) gives \(256,\) \(params\['w'\]\)"
+    with pytest.raises(ValueError, match=message):
+        step(params, state)
+    ts = gradtools.TrainState.create(apply_fn=None, params=params, tx=tx)
+    with pytest.raises(ValueError, match=message):
+        ts.replace(opt_state=state).apply_gradients(grads=params)
 
 
 def test_a_plain_transform_gets_no_value_and_still_steps():
