@@ -7,10 +7,13 @@ study's smoke test swaps in) so that the file runs in well under a minute.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import re
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ import pytest
 from flax import nnx
 
 import gradtools
+from gradtools.demo.checkpoint import Checkpoints
 from gradtools.demo.gpt import data
 from gradtools.demo.gpt import study
 from gradtools.demo.gpt.__main__ import main
@@ -39,9 +43,6 @@ def cli_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt")
     argv = ["--steps", "40", "--accum-steps", "1", "--batch-size", "32", "--no-progress"]
     argv += ["--checkpoint-dir", str(folder / "ckpt"), "--plot", str(folder / "run.png")]
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(argv)
@@ -72,20 +73,126 @@ def _state(result):
 
 @pytest.mark.slow
 def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
-    """Stopped mid-window (step 3 of windows of 2) with a float16 loss scale, then resumed."""
+    """Stopped after update 2 of 3 (windows of 2) with a float16 loss scale, then resumed."""
     config = Config(
         steps=3, batch_size=8, accum_steps=2, precision="fp16", eval_every=1, eval_windows=8,
         progress=False,
     )  # fmt: skip
     whole = train_and_evaluate(config)
     folder = str(tmp_path / "ckpt")
-    stopped = train_and_evaluate(dataclasses.replace(config, checkpoint_dir=folder, max_steps=3))
-    assert stopped.step == 3 and sorted(os.listdir(folder), key=int) == ["2", "3"]
+    stopped = train_and_evaluate(dataclasses.replace(config, checkpoint_dir=folder, max_steps=2))
+    assert stopped.step == 2 and sorted(os.listdir(folder), key=int) == ["1", "2"]
     resumed = train_and_evaluate(Config(checkpoint_dir=folder, resume=True, progress=False))
-    assert resumed.step == whole.step == 6
+    assert resumed.step == whole.step == 3
     jax.tree.map(np.testing.assert_array_equal, _state(resumed), _state(whole))
     assert resumed.history == whole.history
     assert resumed.val_bits_per_byte == whole.val_bits_per_byte
+
+
+# One run of 4 updates of 2 micro-batches, through the CLI: stopped, resumed and asked for more.
+SHORT = ["--steps", "4", "--batch-size", "8", "--accum-steps", "2", "--no-progress"]
+
+
+def _ctrl_c() -> None:
+    """What Ctrl-C does: SIGINT's current handler runs."""
+    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+
+
+def _cli(argv, ctrl_c_at=()):
+    """``main(argv)``: its exit status, what it printed, and the checkpoint folders after it.
+
+    Ctrl-C comes before each micro-batch that ``ctrl_c_at`` numbers (1 is the run's
+    first), once per time it is listed.
+    """
+    calls, train_windows = [], data.train_windows
+
+    def interrupted(*args, **kwargs):
+        calls.append(None)
+        for _ in range(ctrl_c_at.count(len(calls))):
+            _ctrl_c()
+        return train_windows(*args, **kwargs)
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(data, "train_windows", interrupted)
+        with contextlib.redirect_stderr(out):
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code
+    folder = argv[argv.index("--checkpoint-dir") + 1]
+    return code, out.getvalue(), sorted(os.listdir(folder), key=int)
+
+
+@pytest.fixture(scope="module")
+def stop_and_go(tmp_path_factory):
+    """The runs, in order, on one checkpoint directory; and the run uninterrupted."""
+    folder = tmp_path_factory.mktemp("gpt_resume") / "ckpt"
+    argv = [*SHORT, "--checkpoint-dir", str(folder)]
+    runs = {
+        # Ctrl-C before the first micro-batch of update 2: update 2 is finished, then saved
+        "ctrl_c": _cli(argv, ctrl_c_at=(3,)),
+        # Ctrl-C twice inside update 3 (before its second micro-batch): stops, saves nothing
+        "ctrl_c_twice": _cli([*argv, "--resume"], ctrl_c_at=(2, 2)),
+        "resume": _cli([*argv, "--resume"]),
+        "resume_finished": _cli([*argv, "--resume"]),
+        "resume_longer": _cli([*argv, "--resume", "--steps", "8"]),
+        "fresh": _cli(argv),
+    }
+    whole = train_and_evaluate(Config(steps=4, batch_size=8, accum_steps=2, progress=False))
+    return folder, runs, whole
+
+
+def test_ctrl_c_finishes_the_update_and_counts_updates(stop_and_go):
+    folder, runs, _ = stop_and_go
+    code, out, saved = runs["ctrl_c"]
+    assert code == 130
+    assert "update 1/4 " in out and "update 2/4 " in out and "update 3/4" not in out
+    assert out.endswith(f"interrupted at update 2 of 4; checkpoint: {folder / '2'}; "
+                        "continue with --resume\n")  # fmt: skip
+    assert saved == ["1", "2"]  # each evaluation's, under its update
+    code, out, saved = runs["ctrl_c_twice"]
+    assert code == 130 and saved == ["1", "2"]
+    assert out.endswith("interrupted inside update 3 of 4, not saved (half done); --resume "
+                        f"continues from {folder / '2'}\n")  # fmt: skip
+
+
+def test_resume_counts_updates_and_equals_the_uninterrupted_run(stop_and_go):
+    folder, runs, whole = stop_and_go
+    code, out, saved = runs["resume"]
+    assert code == 0 and saved == ["3", "4"]
+    assert f"resuming {folder / '2'} at update 2 of 4\n" in out
+    assert "update 3/4 " in out and f"checkpoint: {folder / '4'}\n" in out
+    ckpt = Checkpoints(folder)
+    arrays = ckpt.restore(4, dict(zip(("model", "optimizer"), _state(whole))))
+    history = ckpt.restore_meta(4)["history"]
+    ckpt.close()
+    jax.tree.map(np.testing.assert_array_equal, (arrays["model"], arrays["optimizer"]),
+                 _state(whole))  # fmt: skip
+    assert history == whole.history
+
+
+def test_resume_with_other_steps_is_refused_in_one_line(stop_and_go):
+    folder, runs, _ = stop_and_go
+    code, out, saved = runs["resume_longer"]
+    assert code == 2 and saved == ["3", "4"]
+    assert out.splitlines()[-1] == (
+        f"python -m gradtools.demo.gpt: error: --steps 8: --resume finishes the run in {folder} "
+        "as it was set up, with --steps 4 (its learning-rate schedule ends there): leave out "
+        "--steps, or start a new run with --steps 8 in another --checkpoint-dir"
+    )
+    assert "Traceback" not in out and "note:" not in out
+    code, out, _ = runs["fresh"]
+    assert code == 2 and f"--checkpoint-dir {folder} already holds a checkpoint (update 4)" in out
+
+
+def test_resuming_a_finished_run_keeps_its_checkpoint_and_says_so(stop_and_go):
+    folder, runs, _ = stop_and_go
+    code, out, saved = runs["resume_finished"]
+    assert code == 0 and saved == ["3", "4"]
+    assert f"{folder / '4'}: the run finished at update 4 of 4, nothing to train\n" in out
+    assert f"checkpoint: {folder / '4'} (unchanged: nothing new to save)\n" in out
+    assert "not saved" not in out and "pass --checkpoint-dir" not in out
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Checkpoints of a demo run with orbax-checkpoint.
 
-A checkpoint is saved under its step (the number of micro-batches trained)
-and holds two items:
+A checkpoint is saved under its step, the demo's count of what it has
+trained (micro-batches for LeNet-5, optimizer updates for the GPT), and
+holds two items:
 
 * ``state``: ``{'params': ..., 'opt_state': ...}``, the arrays, restored with
   the structure, dtypes and shardings of a template, so the optimizer's

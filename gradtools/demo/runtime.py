@@ -233,7 +233,12 @@ def global_batch(
 
 
 def settings(
-    config: Any, ckpt: Checkpoints | None, run_options: Sequence[str]
+    config: Any,
+    ckpt: Checkpoints | None,
+    run_options: Sequence[str],
+    *,
+    fixed: Sequence[str] = (),
+    unit: str = "step",
 ) -> tuple[Any, dict[str, Any] | None]:
     """The settings to run with, and the newest checkpoint's metadata when resuming.
 
@@ -242,21 +247,26 @@ def settings(
         ``resume`` and, optionally, ``eval_only``).
       ckpt: the checkpoints in ``config.checkpoint_dir``, if given.
       run_options: the fields a resumed run takes from ``config``.
+      fixed: the fields that ``--resume`` refuses to see changed (instead of
+        noting that the checkpoint's value is kept), such as the length of the
+        run that the learning-rate schedule is built for.
+      unit: what the demo's checkpoint steps count, for the messages.
 
     Returns:
       ``(config, None)`` for a fresh run; ``(the checkpoint's settings merged
       with run_options, its metadata with 'step')`` to resume.
 
     Raises:
-      ConfigError: if a fresh run's directory holds a checkpoint, or a resumed
-        one has no directory or no checkpoint in it.
+      ConfigError: if a fresh run's directory holds a checkpoint, a resumed
+        one has no directory or no checkpoint in it, or ``--resume`` asks for
+        another value of a ``fixed`` field.
     """
     latest = ckpt.latest_step() if ckpt else None
     eval_only = getattr(config, "eval_only", False)
     if not (config.resume or eval_only):
         if latest is not None:
             raise ConfigError(
-                f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint (step "
+                f"--checkpoint-dir {config.checkpoint_dir} already holds a checkpoint ({unit} "
                 f"{latest}): pass --resume to continue it, or choose another directory"
             )
         return config, None
@@ -269,10 +279,26 @@ def settings(
     if latest is None:
         raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir}: holds no checkpoint")
     meta = {**ckpt.restore_meta(latest), "step": latest}
+    if config.resume:
+        _check_fixed(config, meta["config"], fixed)
     config, ignored = resumed(config, meta["config"], run_options)
     if ignored and config.resume:
         log(f"note: continuing with the checkpoint's settings, not {', '.join(ignored)}")
     return config, meta
+
+
+def _check_fixed(config: Any, saved: dict[str, Any], fixed: Sequence[str]) -> None:
+    """Raises :class:`ConfigError` if ``config`` asks for another value of a ``fixed`` field."""
+    defaults = type(config)()
+    for name in fixed:
+        asked, was = getattr(config, name), saved[name]
+        if asked != was and asked != getattr(defaults, name):  # a default is not asked for
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{flag} {asked}: --resume finishes the run in {config.checkpoint_dir} as it was "
+                f"set up, with {flag} {was} (its learning-rate schedule ends there): leave out "
+                f"{flag}, or start a new run with {flag} {asked} in another --checkpoint-dir"
+            )
 
 
 def resumed(

@@ -22,6 +22,10 @@ precisions (parameters, optimizer state and loss stay float32):
   fp16          float16 compute with gradtools.dynamic_loss_scale
   fp16-noscale  float16 compute without loss scaling: small gradients flush to 0
 
+Ctrl-C lets the update in flight finish, saves it to --checkpoint-dir DIR as
+DIR/N (N updates trained) and stops; --resume goes on from there to the run's
+own --steps (its learning-rate schedule is built for them).
+
 --study trains the same model five times (fp32, bf16, fp16 without a loss
 scale, with a fixed one and with a dynamic one) and prints a Markdown table,
 after Micikevicius et al., Mixed Precision Training (2018).
@@ -55,8 +59,10 @@ def parser() -> argparse.ArgumentParser:
         help="peak learning rate (3e-3 tiny, 1e-3 small, 6e-4 gpt2)",
     )
     a("--data-dir", metavar="DIR", help="train on the *.txt files in DIR instead")
-    a("--checkpoint-dir", metavar="DIR", help="save checkpoints here (at each evaluation)")
-    a("--resume", action="store_true", help="continue the run in --checkpoint-dir exactly")
+    a("--checkpoint-dir", metavar="DIR",
+      help="save checkpoints here, DIR/N after N updates (each evaluation, Ctrl-C)")  # fmt: skip
+    a("--resume", action="store_true",
+      help="continue the run in --checkpoint-dir exactly, to its own --steps")  # fmt: skip
     a("--plot", metavar="PATH", help="write the run's curves to a PNG")
     a("--no-progress", action="store_true", help="no progress bar, only a line per evaluation")
     study = p.add_argument_group("the precision study")

@@ -28,7 +28,7 @@ class Config:
     ``eval_every``, ``eval_windows``, ``devices`` and ``max_steps`` have no
     CLI option of the training run (the study sets the first two): tests use
     ``max_steps`` to stop a run early, as if interrupted, after that many
-    micro-batches.
+    updates. Like ``steps``, ``eval_every`` and the checkpoints count updates.
     """
 
     size: str = "tiny"

@@ -189,11 +189,11 @@ def plot_study(rows: list[Row], config: Config) -> str:
     fig = Figure(figsize=(9, 7), layout="constrained")
     FigureCanvasAgg(fig)
     curves, bars = fig.subplots(2, 1)
-    for r in rows:
-        curves.plot(r.history["eval"]["step"], r.history["eval"]["val_bits_per_byte"], "o-",
-                    ms=3, label=r.name)  # fmt: skip
+    for r in rows:  # the history counts micro-batches
+        updates = [s / config.accum_steps for s in r.history["eval"]["step"]]
+        curves.plot(updates, r.history["eval"]["val_bits_per_byte"], "o-", ms=3, label=r.name)
     curves.axhline(rows[0].history["eval"]["unigram"][-1], color="gray", ls="--", label="unigram")
-    curves.set(xlabel="step (micro-batches)", ylabel="validation bits/byte")
+    curves.set(xlabel="update", ylabel="validation bits/byte")
     curves.legend(fontsize="small")
     curves.grid(alpha=0.3)
     x = np.arange(len(rows))

@@ -16,6 +16,8 @@ Only process 0 prints, plots and writes the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from typing import Any
@@ -77,11 +79,12 @@ class Result(NamedTuple):
     Attributes:
       model: the trained :class:`~gradtools.demo.gpt.model.GPT`.
       optimizer: its :class:`gradtools.Optimizer` (``opt_state``, ``step``).
-      step: micro-batches trained so far.
+      step: optimizer updates trained so far (the unit of ``--steps``).
       val_bits_per_byte: the validation loss in bits per byte, at the end.
       unigram_bits_per_byte: the baseline: the validation bytes' unigram entropy.
       seconds_per_step: wall time per micro-batch, compilation left out.
-      history: per-step metrics and the evaluations (``history['eval']``).
+      history: the metrics of each micro-batch and the evaluations
+        (``history['eval']``); both ``'step'`` lists count micro-batches.
       checkpoint: the directory of the last checkpoint written, or ``None``.
       plot: the PNG written, or ``None``.
     """
@@ -155,7 +158,9 @@ def evaluate(model: GPT, windows: np.ndarray, chunk: int, split: NamedSharding) 
 def create_model(config: Config, replicated: NamedSharding) -> tuple[GPT, Any]:
     """A freshly initialised model and optimizer, replicated over the devices."""
     model = GPT(SIZES[config.size], dtype=DTYPES[config.precision], rngs=nnx.Rngs(config.seed))
-    optimizer = gradtools.Optimizer(model, make_optimizer(config, config.steps), wrt=nnx.Param)
+    unused = {k: getattr(Config(), k) for k in (*RUN_OPTIONS, "seed", "data_dir")}
+    tx = _transformation(dataclasses.replace(config, **unused))
+    optimizer = gradtools.Optimizer(model, tx, wrt=nnx.Param)
     state = nnx.state((model, optimizer))
     nnx.update((model, optimizer), jax.device_put(state, replicated))
     return model, optimizer
@@ -166,14 +171,17 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
 
     Prints a progress bar (unless ``config.progress`` is false), a line per
     evaluation, and last ``validation bits/byte: X.XXX (unigram baseline:
-    Y.YYY)``. With ``config.checkpoint_dir`` it saves a checkpoint at each
-    evaluation, at the end and when stopped (``max_steps``, Ctrl-C). Ctrl-C
-    stops the run after the step in flight, saves it, and raises
-    ``KeyboardInterrupt``; a second Ctrl-C stops at once.
+    Y.YYY)``. Everything is counted in optimizer updates, as ``steps`` is.
+    With ``config.checkpoint_dir`` it saves a checkpoint at each evaluation,
+    at the end and when stopped (``max_steps``, Ctrl-C), under the number of
+    updates trained. Ctrl-C lets the update in flight finish its
+    micro-batches, saves it, and raises ``KeyboardInterrupt``; a second
+    Ctrl-C stops at once, and saves nothing if that is inside an update.
 
     Args:
       config: the settings. With ``resume`` the training settings come from
-        the newest checkpoint in ``checkpoint_dir``.
+        the newest checkpoint in ``checkpoint_dir``, and training goes on to
+        its ``steps`` (another ``steps`` is refused).
       text: bytes to use instead of loading them as ``config.data_dir`` says.
 
     Returns:
@@ -185,7 +193,7 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
       DataError: for a data directory without text, or text too short.
     """
     ckpt = Checkpoints(config.checkpoint_dir) if config.checkpoint_dir else None
-    config, meta = settings(config, ckpt, RUN_OPTIONS)
+    config, meta = settings(config, ckpt, RUN_OPTIONS, fixed=("steps",), unit="update")
     devices = jax.devices()[: config.devices]
     validate(config, len(devices))
     text = text if text is not None else data.load(config.data_dir)
@@ -204,30 +212,29 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
     windows = data.eval_windows(text.valid, block, config.eval_windows)
     unigram = data.unigram_bits_per_byte(text.train, text.valid)
     log(_describe(config, model, text, devices))
+    if meta is not None and ckpt is not None:
+        log(_resuming(ckpt, step, config.steps))
 
-    total = config.steps * config.accum_steps
+    accum, total = config.accum_steps, config.steps
     stop = total if config.max_steps is None else min(total, max(config.max_steps, step))
-    every = config.evaluate_every * config.accum_steps
     multiplier = jnp.float32(config.loss_multiplier)
-    written, recorded, timed = None, [], (step, time.perf_counter())
+    trained = step * accum  # micro-batches, which say where the data stands
+    written, recorded, timed = None, [], (trained, time.perf_counter())
 
     def checkpoint() -> str | None:
         arrays = {"model": _pure(model), "optimizer": _pure(optimizer)}
         return save(ckpt, step, arrays, config, history=history)
 
     def report() -> None:
-        """Records the steps trained, evaluates, prints a line and saves a checkpoint."""
+        """Records the updates trained, evaluates, prints a line and saves a checkpoint."""
         nonlocal recorded, written
         record(history, recorded, lambda k: k in _RECORDED or k.startswith("grad_norm/"))
         recorded = []
         bits = evaluate(model, windows, config.batch_size, split)
-        for key, value in (("step", step), ("val_bits_per_byte", bits), ("unigram", unigram)):
+        for key, value in (("step", trained), ("val_bits_per_byte", bits), ("unigram", unigram)):
             history["eval"][key].append(value)
         last = {k: v[-1] for k, v in history.items() if k not in ("step", "eval") and v}
-        log(
-            f"update {step // config.accum_steps:>{len(str(config.steps))}}/{config.steps}  "
-            f"{_status(last)}  val {bits:.3f} bits/byte"
-        )
+        log(f"update {step:>{len(str(total))}}/{total}  {_status(last)}  val {bits:.3f} bits/byte")
         written = checkpoint() or written
 
     from tqdm import tqdm
@@ -235,7 +242,7 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
     bar = tqdm(
         total=total,
         initial=step,
-        unit="step",
+        unit="update",
         leave=False,
         dynamic_ncols=True,
         disable=not config.progress or jax.process_index() != 0,
@@ -243,49 +250,60 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
     try:
         with CtrlC() as ctrl_c:
             while step < stop:
-                ctrl_c.check()
-                windows_of = data.train_windows(
-                    text.train, block, config.batch_size, config.seed, step
-                )
-                rows = np.arange(config.batch_size)
-                batch = global_batch(split, rows, windows_of.__getitem__)
-                metrics = train_step(model, optimizer, batch, multiplier)
+                ctrl_c.check()  # only between updates: a checkpoint holds whole updates
+                for _ in range(accum):
+                    windows_of = data.train_windows(
+                        text.train, block, config.batch_size, config.seed, trained
+                    )
+                    batch = global_batch(
+                        split, np.arange(config.batch_size), windows_of.__getitem__
+                    )
+                    metrics = train_step(model, optimizer, batch, multiplier)
+                    trained += 1
+                    recorded.append((trained, metrics))
+                    if trained == 1 + timed[0]:  # the first micro-batch compiles: time from its end
+                        jax.block_until_ready(metrics)
+                        timed = (trained, time.perf_counter())
                 step += 1
-                recorded.append((step, metrics))
-                if step == 1 + timed[0]:  # the first step compiles: time from its end
-                    jax.block_until_ready(metrics)
-                    timed = (step, time.perf_counter())
                 bar.update()
                 if not bar.disable and step % 10 == 0:
                     bar.set_postfix_str(_status(jax.device_get(metrics)), refresh=False)
-                if step % every == 0 or step == total:
+                if step % config.evaluate_every == 0 or step == total:
                     report()
     except KeyboardInterrupt:
         bar.close()
-        if alive(nnx.state((model, optimizer))):
+        whole = trained == step * accum and alive(nnx.state((model, optimizer)))
+        if whole:
             record(history, recorded, lambda k: k in _RECORDED or k.startswith("grad_norm/"))
             written = checkpoint()
-        log(
-            f"interrupted at step {step:,}"
-            + (f"; checkpoint: {written}; continue with --resume" if written else "")
-        )
+        log(_interrupted(ckpt, step, total, whole, written))
         raise
     bar.close()
     jax.block_until_ready(nnx.state(model))
-    per_step = (time.perf_counter() - timed[1]) / max(step - timed[0], 1)
+    per_step = (time.perf_counter() - timed[1]) / max(trained - timed[0], 1)
     if step < total:  # stopped early (max_steps): keep its state, score it unrecorded
         record(history, recorded, lambda k: k in _RECORDED or k.startswith("grad_norm/"))
         written = checkpoint()
-        log(f"stopped at step {step:,} of {total:,}")
+        log(f"stopped at update {step:,} of {total:,}")
         bits = evaluate(model, windows, config.batch_size, split)
     else:
         bits = history["eval"]["val_bits_per_byte"][-1]
     plot = _plot(history, config)
-    log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
+    if ckpt is None:
+        log("checkpoint: not saved (pass --checkpoint-dir DIR)")
+    else:  # nothing written: a finished run resumed, which had nothing left to train
+        log(f"checkpoint: {written or ckpt.path(step) + ' (unchanged: nothing new to save)'}")
     if plot:
         log(f"plot: {plot}")
     log(f"validation bits/byte: {bits:.3f} (unigram baseline: {unigram:.3f})")
     return Result(model, optimizer, step, bits, unigram, per_step, history, written, plot)
+
+
+@functools.lru_cache(maxsize=4)
+def _transformation(config: Config) -> optax.GradientTransformation:
+    """The optimizer of ``config``, built once: runs in one process with the same training
+    settings then share the compiled :func:`train_step` (it is part of the step's key)."""
+    return make_optimizer(config, config.steps)
 
 
 def _pure(node: Any) -> Any:
@@ -308,14 +326,40 @@ def _restore(ckpt: Any, meta: dict[str, Any], model: GPT, optimizer: Any) -> tup
     return int(meta["step"]), history
 
 
+def _resuming(ckpt: Checkpoints, step: int, total: int) -> str:
+    """The line a resumed run starts with: where it goes on from."""
+    if step < total:
+        return f"resuming {ckpt.path(step)} at update {step:,} of {total:,}"
+    return f"{ckpt.path(step)}: the run finished at update {step:,} of {total:,}, nothing to train"
+
+
+def _interrupted(
+    ckpt: Checkpoints | None, step: int, total: int, whole: bool, written: str | None
+) -> str:
+    """The line Ctrl-C stops a run with; ``whole``: it stopped between two updates."""
+    if whole:
+        line = f"interrupted at update {step:,} of {total:,}"
+        return line + (f"; checkpoint: {written}; continue with --resume" if written else "")
+    line = f"interrupted inside update {step + 1:,} of {total:,}"
+    if ckpt is None:
+        return line
+    latest = ckpt.latest_step()
+    if latest is None:
+        return f"{line}, not saved (half done); no checkpoint yet"
+    return f"{line}, not saved (half done); --resume continues from {ckpt.path(latest)}"
+
+
 def _plot(history: dict[str, Any], config: Config) -> str | None:
-    """Plots the run to ``config.plot`` (on process 0) and returns the file written."""
+    """Plots the run to ``config.plot`` (on process 0), against updates; returns the file."""
     if not config.plot or jax.process_index() != 0:
         return None
     from gradtools.demo.plot import plot_history
 
+    k = config.accum_steps  # the history counts micro-batches
+    evals = {**history["eval"], "step": [s / k for s in history["eval"]["step"]]}
+    in_updates = {**history, "step": [s / k for s in history["step"]], "eval": evals}
     title = f"gradtools GPT demo: {config.size}, {config.precision}"
-    return plot_history(history, config.plot, PANELS, title=title)
+    return plot_history(in_updates, config.plot, PANELS, title=title, xlabel="update")
 
 
 def _describe(config: Config, model: GPT, text: data.Text, devices: list[Any]) -> str:
