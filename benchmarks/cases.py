@@ -258,7 +258,11 @@ def update_cases() -> list[Case]:
     cases = [
         Case(T, ("*",), 3, "read a, b; write a", lambda: _triad()),
         Case(
-            "optax.adam", ("clip", "groups"), 7, "read g, p, m, v; write p, m, v", from_tx(_adam())
+            "optax.adam",
+            ("clip", "groups", "rounding"),
+            7,
+            "read g, p, m, v; write p, m, v",
+            from_tx(_adam()),
         ),
         Case(
             "optax.clip+adam",
@@ -374,6 +378,18 @@ def update_cases() -> list[Case]:
         cases += _group_cases()
     if clip:
         cases += _diagnostic_cases()
+    if available("stochastic_rounding"):
+        rounding = gradtools.stochastic_rounding()  # pyright: ignore
+        cases.append(
+            Case(
+                "optax.adam+stochastic_rounding",
+                ("rounding",),
+                7,
+                "adam: 7; the rounding reads the p and u that apply_updates reads",
+                from_tx(optax.chain(_adam(), rounding)),
+                baseline="optax.adam",
+            )
+        )
     return cases
 
 

@@ -32,6 +32,8 @@ from gradtools.naming import label_params
 from gradtools.naming import path_names
 from gradtools.spike_guard import SpikeGuardState
 from gradtools.spike_guard import spike_guard
+from gradtools.stochastic_rounding import StochasticRoundingState
+from gradtools.stochastic_rounding import stochastic_rounding
 from gradtools.training import LossSum
 from gradtools.training import apply_gradients
 from gradtools.training import train_step
@@ -51,6 +53,7 @@ __all__ = [
     "Optimizer",
     "ParamGroupsState",
     "SpikeGuardState",
+    "StochasticRoundingState",
     "TrainState",
     "__version__",
     "accumulate",
@@ -74,6 +77,7 @@ __all__ = [
     "scale_loss",
     "schedules",
     "spike_guard",
+    "stochastic_rounding",
     "train_step",
 ]
 

@@ -307,6 +307,25 @@ BAD = {
         (V, "rules.*'\\(' is not a valid regular expression", lambda: G.group_norms([("(", "a")])),
         (V, "norm_type=0", lambda: G.group_norms([("a", "a")], norm_type=0)),
     ],
+    "stochastic_rounding": [
+        (V, "seed=1.5 must be an int", lambda: G.stochastic_rounding(1.5)),
+        (V, "seed=True must be an int", lambda: G.stochastic_rounding(True)),
+        (
+            V,
+            r"seed=Array\(\[1, 2\], .* must be an int",
+            lambda: G.stochastic_rounding(jnp.asarray([1, 2])),
+        ),
+        (
+            V,
+            r"seed=2147483648 must be an int from 0 to 2\*\*31 - 1",
+            lambda: G.stochastic_rounding(2**31),
+        ),
+        (
+            V,
+            "stochastic_rounding: params=None",
+            lambda: G.stochastic_rounding().update(PARAMS, G.stochastic_rounding().init(PARAMS)),
+        ),
+    ],
     "global_norm": [
         (T, r"tree\['a'\]='x'", lambda: G.global_norm({"a": "x"})),
         (

@@ -173,6 +173,12 @@ CONTRACTS = [
     ),
     Contract("frozen", gradtools.frozen, dict(), takes_params=False),
     Contract(
+        "stochastic_rounding",
+        gradtools.stochastic_rounding,
+        dict(seed=0),
+        counters=(Counter("rounding_step"),),
+    ),
+    Contract(
         "skip_small",  # the template of docs/internals.md
         skip_small,
         dict(inner=optax.adam(0.1), threshold=100.0),
