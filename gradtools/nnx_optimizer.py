@@ -12,6 +12,7 @@ from typing import Any
 from flax import nnx
 
 from gradtools import _checks
+from gradtools import _fp8
 from gradtools.training import apply_gradients
 
 __all__ = ["Optimizer"]
@@ -47,6 +48,13 @@ class Optimizer(nnx.Optimizer):
       grads = nnx.grad(loss_fn)(model)
       optimizer.update(model, grads)
 
+    fp8 meta (flax's fp8 ops through ``nnx.bridge``, variables of the type
+    named ``_overwrite_with_gradient``) takes the gradients' values, as
+    :func:`gradtools.apply_gradients` writes it: keep ``wrt=nnx.Param`` and
+    differentiate with respect to both, ``nnx.grad(loss_fn,
+    argnums=nnx.DiffState(0, (nnx.Param, meta_type)))``, where ``meta_type =
+    nnx.variable_type_from_name('_overwrite_with_gradient')``.
+
     ``step`` counts calls, skipped steps and micro-steps included; the
     optimizer's own count, which its schedules read, counts applied updates.
 
@@ -74,6 +82,21 @@ class Optimizer(nnx.Optimizer):
       flax ``flax.nnx.Optimizer``.
     """
 
+    def _with_meta(self, model: Any, params: Any, grads: Any, meta: Any, graph: dict) -> Any:
+        """``(params, grads)``, as variables ``{'params': ..., '_overwrite_with_gradient': ...}``
+        where ``grads`` hold fp8 meta (as :func:`gradtools.apply_gradients` takes them)."""
+        if not meta:
+            return params, grads
+        selected = nnx.state(nnx.state(model, self.wrt, **graph), _fp8.is_meta)
+        if selected:
+            raise ValueError(
+                f"Optimizer: wrt={self.wrt!r} selects fp8 meta ({_fp8.OVERWRITE!r} variables), "
+                "so the optimizer state was built for them. tx steps on the params only and "
+                "the meta takes its gradients' values: build Optimizer(model, tx, wrt=nnx.Param)"
+            )
+        old = _arrays(nnx.state(model, _fp8.is_meta, **graph))
+        return _fp8.merge({}, params, old), _fp8.merge({}, grads, _arrays(meta))
+
     def update(  # type: ignore[override]
         self,
         model: Any,
@@ -99,17 +122,26 @@ class Optimizer(nnx.Optimizer):
 
         Raises:
           TypeError: if ``update_kwargs`` is not a dict.
+          ValueError: if ``grads`` hold fp8 meta and ``wrt`` selects it.
         """
         _checks.update_kwargs(update_kwargs)
         graph = {} if getattr(self, "graph", None) is None else {"graph": self.graph}
-        params = _arrays(nnx.state(model, self.wrt, **graph))
+        params, grads = self._with_meta(
+            model,
+            _arrays(nnx.state(model, self.wrt, **graph)),
+            _arrays(nnx.state(grads, self.wrt, **graph)),
+            nnx.state(grads, _fp8.is_meta, **graph),
+            graph,
+        )
         params, opt_state = apply_gradients(
             self.tx,
-            _arrays(nnx.state(grads, self.wrt, **graph)),
+            grads,
             _arrays(self.opt_state),
             params,
             **_arrays({**(update_kwargs or {}), **kwargs}),
         )
-        nnx.update(model, params)
+        for part in _fp8.split(params, "params"):  # the params, then any fp8 meta
+            if part is not None:
+                nnx.update(model, part)
         nnx.update(self.opt_state, nnx.state(opt_state, **graph))
         self.step[...] += 1

@@ -16,9 +16,6 @@ from gradtools.training import apply_gradients
 
 __all__ = ["TrainState"]
 
-# flax's name for the collection (fp8 scales) that gradients overwrite instead of updating.
-_OVERWRITE = getattr(train_state, "OVERWRITE_WITH_GRADIENT", "_overwrite_with_gradient")
-
 
 class TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` stepping through :func:`gradtools.apply_gradients`.
@@ -34,7 +31,10 @@ class TrainState(train_state.TrainState):
 
     so it takes ``tx.update``'s extra arguments (:func:`gradtools.accumulate`'s
     ``flush`` and ``weight``, ``value`` for ``optax.contrib.reduce_on_plateau``)
-    and a loss scaler applies the updates inside its skip branch.
+    and a loss scaler applies the updates inside its skip branch. As in flax,
+    ``params`` may hold fp8 meta (``_overwrite_with_gradient`` beside
+    ``params``): ``tx`` steps on ``params['params']`` and the meta takes the
+    gradients' values (:func:`gradtools.apply_gradients` says how).
 
     ``step`` counts calls, skipped steps and accumulation micro-steps
     included; the optimizer's own count, which its schedules read, counts the
@@ -84,15 +84,9 @@ class TrainState(train_state.TrainState):
           TypeError: if ``update_kwargs`` is not a dict.
         """
         _checks.update_kwargs(update_kwargs)
-        overwrite = isinstance(grads, Mapping) and _OVERWRITE in grads
-        params = self.params["params"] if overwrite else self.params
+        # fp8 meta (flax's _overwrite_with_gradient) is handled there: tx steps on
+        # params['params'], the meta takes the gradients' values
         params, opt_state = apply_gradients(
-            self.tx,
-            grads["params"] if overwrite else grads,
-            self.opt_state,
-            params,
-            **(update_kwargs or {}),
+            self.tx, grads, self.opt_state, self.params, **(update_kwargs or {})
         )
-        if overwrite:  # as flax does: these leaves take the gradients' values
-            params = {"params": params, _OVERWRITE: grads[_OVERWRITE]}
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -16,6 +16,7 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _fp8
 from gradtools import _step_checks
 from gradtools import _tree
 from gradtools.accumulate import AccumulateState
@@ -57,6 +58,16 @@ def apply_gradients(
     there, which the next micro-step replaces. :func:`train_step` and
     :class:`gradtools.TrainState` call this.
 
+    **fp8 meta.** Where ``params`` are flax variables holding the scales and
+    amax histories of flax's fp8 ops (the collection ``_overwrite_with_gradient``
+    beside ``params``), ``tx`` sees ``params['params']`` and ``grads['params']``
+    only, from ``opt_state = tx.init(params['params'])``, as in flax's
+    ``TrainState``; the meta takes the new values the backward pass returned as
+    its gradients, at every call, whatever ``tx`` did (a skip, a micro-step)::
+
+      meta = where(isfinite(grads[meta]), grads[meta], params[meta])
+      meta['...output_grad_*'] *= new loss scale / old loss scale   # with a loss scaler
+
     Args:
       tx: any ``optax.GradientTransformation``.
       grads: the gradients (scaled by :func:`gradtools.scale_loss` when ``tx``
@@ -76,7 +87,8 @@ def apply_gradients(
         named ``update_kwargs``.
       ValueError: if ``params`` is ``None``; when the step is traced, if
         ``opt_state`` was built for other params (the message names each leaf
-        and both shapes).
+        and both shapes), or, with fp8 meta, from the whole variables, or if
+        only one of ``params`` and ``grads`` holds the meta.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -95,6 +107,8 @@ def apply_gradients(
     _checks.is_transform("tx", tx)
     if params is None:
         raise ValueError("apply_gradients: params=None; pass the params the gradients belong to")
+    if _fp8.held(params, grads):  # flax's fp8 meta: tx steps on params['params'] only
+        return _fp8.apply(apply_gradients, tx, grads, opt_state, params, extra_args)
     _step_checks.update_keywords(extra_args, bool(_tree.find(opt_state, AccumulateState)))
     try:
         return _apply.step(tx, grads, opt_state, params, extra_args, True)
@@ -192,7 +206,8 @@ def train_step(
     ``loss_fn`` returning :class:`LossSum` gets the exact weighted mean over
     micro-batches of unequal counts (padded tokens). To accumulate across
     calls instead, as micro-batches arrive from the host, use
-    :func:`gradtools.accumulate`.
+    :func:`gradtools.accumulate`. fp8 meta in ``params`` (see
+    :func:`apply_gradients`) is the element-wise maximum over the micro-batches.
 
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or
@@ -326,21 +341,23 @@ def _scan(grads_of: Callable, params: Any, args: tuple[Any, ...], k: int) -> tup
     outputs are stacked along a new leading axis.
     """
     batches, rebuild = _micro_batches(args, k)
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    summed, meta = _fp8.split(params, "params")  # fp8 meta: a running maximum, never a sum
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), summed)
 
     def body(carry, batch):
         grads, (total, count, aux) = grads_of(params, rebuild(batch))
-        sums, total_sum, count_sum = carry
+        grads, new_meta = _fp8.split(grads, "grads")
+        sums, meta, total_sum, count_sum = carry
         w = jnp.ones([], jnp.float32) if count is None else count  # a mean loss counts as one
         sums = jax.tree.map(lambda s, g: s + g.astype(jnp.float32) * w, sums, grads)
         total_sum = total_sum + jnp.asarray(total, jnp.float32)
-        return (sums, total_sum, count_sum + w), (total, aux)
+        return (sums, _fp8.maximum(meta, new_meta), total_sum, count_sum + w), (total, aux)
 
-    init = (zeros, jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
-    (sums, total, count), (totals, aux) = lax.scan(body, init, batches)
+    init = (zeros, _fp8.lowest(meta), jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+    (sums, meta, total, count), (totals, aux) = lax.scan(body, init, batches)
     inverse = _inverse(count)
-    grads = jax.tree.map(lambda s, p: (s * inverse).astype(jnp.result_type(p)), sums, params)
-    return grads, (total.astype(totals.dtype), count, aux)
+    grads = jax.tree.map(lambda s, p: (s * inverse).astype(jnp.result_type(p)), sums, summed)
+    return _fp8.merge(params, grads, meta), (total.astype(totals.dtype), count, aux)
 
 
 def _micro_batches(args: tuple[Any, ...], k: int) -> tuple[list[Any], Callable]:
