@@ -29,6 +29,7 @@ from gradtools.demo.gpt.__main__ import main
 from gradtools.demo.gpt.config import Config
 from gradtools.demo.gpt.model import GPT
 from gradtools.demo.gpt.model import SIZES
+from gradtools.demo.gpt.model import Fp8Meta
 from gradtools.demo.gpt.model import GPTConfig
 from gradtools.demo.gpt.model import count_params
 from gradtools.demo.gpt.optim import decay
@@ -63,6 +64,29 @@ def test_tiny_trains_below_its_unigram_baseline_and_says_so_last(cli_run):
     assert f"checkpoint: {folder / 'ckpt' / '40'}" in out
     with open(folder / "run.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--precision", "fp8"], ["--param-dtype", "bf16"]], ids=["fp8", "bf16-params"]
+)
+def test_fp8_and_bfloat16_params_train_below_the_unigram_baseline(argv):
+    config = Config(steps=80, accum_steps=1, batch_size=32, progress=False)
+    config = dataclasses.replace(config, **{argv[0][2:].replace("-", "_"): argv[1]})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = train_and_evaluate(config)
+    m = LAST_LINE.fullmatch(out.getvalue().strip().splitlines()[-1])
+    assert m and float(m.group(1)) < float(m.group(2))
+    params = jax.tree.leaves(nnx.state(result.model, nnx.Param))
+    if config.precision == "fp8":  # the delayed-scaling meta was written, never optimized
+        meta = nnx.to_pure_dict(nnx.state(result.model, Fp8Meta))
+        qkv = meta["blocks"][0]["qkv"]
+        assert np.all(np.isfinite(jax.tree.leaves(meta)[0]))
+        assert float(qkv["input_scale"][0]) != 1.0 and float(np.max(qkv["input_amax_history"])) > 0
+        assert {p.dtype for p in params} == {jnp.dtype(jnp.float32)}
+    else:
+        assert {p.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
+        assert "(bf16 params, stochastic rounding)" in out.getvalue()
 
 
 def _state(result):
@@ -268,7 +292,13 @@ def test_data_dir_reads_the_txt_files_in_order(tmp_path):
 
 BAD = [
     (["--size", "huge"], 2, "--size huge: not in ('tiny', 'small', 'gpt2')"),
-    (["--precision", "fp8"], 2, "--precision fp8: not in ('fp32', 'bf16', 'fp16', 'fp16-noscale')"),
+    (
+        ["--precision", "fp4"],
+        2,
+        "--precision fp4: not in ('fp32', 'bf16', 'fp16', 'fp16-noscale', 'fp8')",
+    ),
+    (["--param-dtype", "fp16"], 2, "--param-dtype fp16: not in ('fp32', 'bf16')"),
+    (["--rounding", "up"], 2, "--rounding up: not in ('nearest', 'stochastic')"),
     (["--steps", "0"], 2, "--steps 0: must be an integer >= 1"),
     (["--data-dir", "EMPTY"], 1, "--data-dir EMPTY: no text in *.txt files (1 found)"),
 ]
@@ -310,10 +340,16 @@ def test_float16_gradients_flush_to_zero_where_float32_ones_do_not():
     assert study.fp16_gradient_zeros(model, batch, 2.0**10) < 0.01
 
 
-def test_the_study_has_the_papers_five_runs():
-    assert [(precision, scale) for _, precision, scale in study.RUNS] == [
+def test_the_study_has_the_papers_five_runs_then_fp8_and_bf16_params():
+    full = {"loss_scale": "none", "param_dtype": "fp32", "rounding": "stochastic"}
+    runs = [({**full, **settings}) for _, settings in study.RUNS]
+    assert [(r["precision"], r["loss_scale"]) for r in runs[:5]] == [
         ("fp32", "none"), ("bf16", "none"), ("fp16-noscale", "none"), ("fp16", "fixed"),
         ("fp16", "dynamic"),
+    ]  # fmt: skip
+    assert all(r["param_dtype"] == "fp32" for r in runs[:6]) and runs[5]["precision"] == "fp8"
+    assert [(r["precision"], r["param_dtype"], r["rounding"]) for r in runs[6:]] == [
+        ("bf16", "bf16", "nearest"), ("bf16", "bf16", "stochastic"),
     ]  # fmt: skip
 
 

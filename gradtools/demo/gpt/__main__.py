@@ -16,19 +16,26 @@ from gradtools.demo.runtime import run_main
 __all__ = ["main", "parser"]
 
 _EPILOG = """\
-precisions (parameters, optimizer state and loss stay float32):
+precisions (the optimizer state and the loss stay float32):
   fp32          float32 compute
   bf16          bfloat16 compute, no loss scaling (bfloat16 has float32's range)
   fp16          float16 compute with gradtools.dynamic_loss_scale
   fp16-noscale  float16 compute without loss scaling: small gradients flush to 0
+  fp8           the blocks' matmuls in fp8 with delayed scaling (flax's fp8 ops;
+                emulated on a CPU), bfloat16 elsewhere
+
+--param-dtype bf16 keeps the parameters themselves in bfloat16, with no float32
+master copy; --rounding stochastic (the default) rounds each update into them
+stochastically (gradtools.stochastic_rounding), nearest rounds to nearest.
 
 Ctrl-C lets the update in flight finish, saves it to --checkpoint-dir DIR as
 DIR/N (N updates trained) and stops; --resume goes on from there to the run's
 own --steps (its learning-rate schedule is built for them).
 
---study trains the same model five times (fp32, bf16, fp16 without a loss
-scale, with a fixed one and with a dynamic one) and prints a Markdown table,
-after Micikevicius et al., Mixed Precision Training (2018).
+--study trains the same model eight times (fp32, bf16, fp16 without a loss
+scale, with a fixed one and with a dynamic one, after Micikevicius et al.,
+Mixed Precision Training, 2018; then fp8, and bf16 params rounded to nearest and
+stochastically) and prints a Markdown table.
 """
 
 
@@ -46,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--size", default=d.size, help=f"model size: {', '.join(SIZES)} (%(default)s)")
     a("--precision", default=d.precision, help=f"{', '.join(DTYPES)} (%(default)s); see below")
+    a("--param-dtype", default=d.param_dtype, help="parameters' dtype: fp32, bf16 (%(default)s)")
+    a("--rounding", default=d.rounding,
+      help="updates into bf16 params: nearest, stochastic (%(default)s)")  # fmt: skip
     a("--steps", type=int, metavar="N", default=d.steps, help="optimizer updates (%(default)s)")
     a("--seed", type=int, metavar="N", default=d.seed, help="init and batch seed (%(default)s)")
     a("--batch-size", type=int, metavar="N", default=d.batch_size,
@@ -67,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     a("--no-progress", action="store_true", help="no progress bar, only a line per evaluation")
     study = p.add_argument_group("the precision study")
     s = study.add_argument
-    s("--study", action="store_true", help="run the five precisions and print a table")
+    s("--study", action="store_true", help="run the eight precisions and print a table")
     s("--loss-multiplier", type=float, metavar="X", default=d.loss_multiplier,
       help="multiply the loss differentiated by X, e.g. 2**-12 (%(default)s)")  # fmt: skip
     add_host_options(p)
@@ -87,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(
         size=args.size,
         precision=args.precision,
+        param_dtype=args.param_dtype,
+        rounding=args.rounding,
         steps=args.steps,
         seed=args.seed,
         batch_size=args.batch_size,

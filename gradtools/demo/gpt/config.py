@@ -6,14 +6,17 @@ import dataclasses
 import math
 
 from gradtools.demo.gpt.model import DTYPES
+from gradtools.demo.gpt.model import PARAM_DTYPES
 from gradtools.demo.gpt.model import SIZES
 from gradtools.demo.runtime import ConfigError
 from gradtools.demo.runtime import check_run
 
-__all__ = ["LOSS_SCALES", "RUN_OPTIONS", "Config", "validate"]
+__all__ = ["LOSS_SCALES", "ROUNDINGS", "RUN_OPTIONS", "Config", "validate"]
 
 #: ``loss_scale`` values: ``auto`` is dynamic for ``fp16`` and none for the others.
 LOSS_SCALES = ("auto", "none", "fixed", "dynamic")
+#: ``rounding`` values: how updates are rounded into bfloat16 parameters.
+ROUNDINGS = ("nearest", "stochastic")
 _DEFAULT_LR = {"tiny": 3e-3, "small": 1e-3, "gpt2": 6e-4}
 # Options a resumed run takes from the command line; the rest from the checkpoint.
 RUN_OPTIONS = ("checkpoint_dir", "resume", "plot", "progress", "devices", "max_steps")
@@ -33,6 +36,8 @@ class Config:
 
     size: str = "tiny"
     precision: str = "fp32"
+    param_dtype: str = "fp32"
+    rounding: str = "stochastic"
     steps: int = 300
     batch_size: int = 16
     accum_steps: int = 2
@@ -85,6 +90,11 @@ def validate(config: Config, n_devices: int) -> None:
 
     need(config.size in SIZES, f"--size {config.size}: not in {tuple(SIZES)}")
     need(config.precision in DTYPES, f"--precision {config.precision}: not in {tuple(DTYPES)}")
+    need(
+        config.param_dtype in PARAM_DTYPES,
+        f"--param-dtype {config.param_dtype}: not in {tuple(PARAM_DTYPES)}",
+    )
+    need(config.rounding in ROUNDINGS, f"--rounding {config.rounding}: not in {ROUNDINGS}")
     for name in ("steps", "batch_size", "accum_steps", "eval_windows"):
         value = getattr(config, name)
         need(value >= 1, f"--{name.replace('_', '-')} {value}: must be an integer >= 1")

@@ -9,16 +9,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import fp8_ops
 
-__all__ = ["DTYPES", "GPT", "SIZES", "Block", "GPTConfig", "count_params"]
+__all__ = [
+    "DTYPES",
+    "GPT",
+    "PARAM_DTYPES",
+    "SIZES",
+    "Block",
+    "Fp8Linear",
+    "Fp8Meta",
+    "GPTConfig",
+    "count_params",
+]
 
-#: ``--precision`` names and the compute dtypes they select (params stay float32).
+#: ``--precision`` names and the compute dtypes they select. ``fp8`` computes in
+#: bfloat16 but for the blocks' matmuls, which run in fp8 (:class:`Fp8Linear`).
 DTYPES = {
     "fp32": jnp.float32,
     "bf16": jnp.bfloat16,
     "fp16": jnp.float16,
     "fp16-noscale": jnp.float16,
+    "fp8": jnp.bfloat16,
 }
+
+#: ``--param-dtype`` names and the dtypes the parameters are kept in.
+PARAM_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+#: The nnx variable type of flax's fp8 meta: the type ``nnx.bridge`` gives the linen
+#: collection ``_overwrite_with_gradient``, which gradtools' step paths overwrite.
+Fp8Meta = nnx.variable_type_from_name(fp8_ops.OVERWRITE_WITH_GRADIENT, allow_register=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +69,52 @@ SIZES = {
 }
 
 
+class Fp8Linear(nnx.Module):
+    """``nnx.Linear`` whose matmul runs in fp8 with delayed scaling (flax's fp8 ops).
+
+    The input and the kernel are cast to float8_e4m3 and the output gradient
+    to float8_e5m2, each with a scale taken from the largest magnitude in its
+    history of ``history`` steps. The scales and histories are
+    :data:`Fp8Meta` variables: the backward pass returns their new values as
+    their gradients, and ``gradtools.Optimizer`` writes those into the model.
+    Differentiate with respect to both types,
+    ``nnx.grad(f, argnums=nnx.DiffState(0, (nnx.Param, Fp8Meta)))``.
+
+    Args:
+      n_in, n_out: the input and output widths.
+      kernel_init: the kernel's initializer.
+      dtype: the compute dtype around the fp8 matmul.
+      param_dtype: the dtype of the kernel and bias.
+      rngs: random numbers for the kernel.
+      history: the length of each amax history.
+    """
+
+    def __init__(self, n_in, n_out, *, kernel_init, dtype, param_dtype, rngs, history=1024):
+        self.kernel = nnx.Param(kernel_init(rngs.params(), (n_in, n_out), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((n_out,), param_dtype))
+        self.dtype = dtype
+        for name in ("input", "kernel", "output_grad"):
+            setattr(self, f"{name}_scale", Fp8Meta(jnp.ones((1,), jnp.float32)))
+            setattr(self, f"{name}_amax_history", Fp8Meta(jnp.zeros((history,), jnp.float32)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        y = fp8_ops.fp8_scaled_dot_general(
+            x,
+            kernel,
+            (((x.ndim - 1,), (0,)), ((), ())),
+            preferred_element_type=self.dtype,
+            lhs_scale=self.input_scale[...],
+            rhs_scale=self.kernel_scale[...],
+            grad_scale=self.output_grad_scale[...],
+            lhs_amax_history=self.input_amax_history[...],
+            rhs_amax_history=self.kernel_amax_history[...],
+            grad_amax_history=self.output_grad_amax_history[...],
+            quantize_compute_type=self.dtype,
+        )
+        return y + self.bias[...].astype(self.dtype)
+
+
 class Block(nnx.Module):
     """A pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
 
@@ -57,13 +123,16 @@ class Block(nnx.Module):
     stream start with std ``0.02 / sqrt(2 * num_layers)``, as GPT-2's do.
     """
 
-    def __init__(self, config: GPTConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+    def __init__(
+        self, config: GPTConfig, *, dtype: Any, param_dtype: Any, fp8: bool, rngs: nnx.Rngs
+    ):
         d, std = config.embed_dim, 0.02
         residual_std = std / math.sqrt(2 * config.num_layers)
+        linear = Fp8Linear if fp8 else nnx.Linear
 
-        def dense(n_in: int, n_out: int, init_std: float) -> nnx.Linear:
+        def dense(n_in: int, n_out: int, init_std: float) -> nnx.Module:
             init = nnx.initializers.normal(init_std)
-            return nnx.Linear(
+            return linear(
                 n_in, n_out, kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs
             )
 
@@ -114,7 +183,9 @@ class GPT(nnx.Module):
       config: the shape.
       dtype: the compute dtype: ``jnp.float32``, ``jnp.bfloat16`` or
         ``jnp.float16``.
-      param_dtype: the parameters' dtype (float32).
+      param_dtype: the parameters' dtype (float32, or bfloat16 to keep no
+        float32 master copy).
+      fp8: run the blocks' matmuls in fp8 (:class:`Fp8Linear`).
       rngs: the initialisation's random numbers (``nnx.Rngs(seed)``).
 
     Example:
@@ -135,6 +206,7 @@ class GPT(nnx.Module):
         *,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        fp8: bool = False,
         rngs: nnx.Rngs,
     ):
         d = config.embed_dim
@@ -145,7 +217,7 @@ class GPT(nnx.Module):
         self.wpe = nnx.Embed(config.block_size, d, embedding_init=init, **embed)
         self.blocks = nnx.List(
             [
-                Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                Block(config, dtype=dtype, param_dtype=param_dtype, fp8=fp8, rngs=rngs)
                 for _ in range(config.num_layers)
             ]
         )

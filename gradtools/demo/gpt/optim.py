@@ -7,7 +7,8 @@
       chain(group_norms(GROUPS),       # gradient norm of embed / attn / mlp / norm
             spike_guard(               # clip a step whose norm spikes
               chain(clip_by_global_norm(1.0),
-                    inject_hyperparams(adamw)(warmup + cosine, weight decay 0.1))))),
+                    inject_hyperparams(adamw)(warmup + cosine, weight decay 0.1),
+                    stochastic_rounding())))),   # bfloat16 params, --rounding stochastic
     every_k)
 
 The loss scaler sits inside ``accumulate``, so an overflow in any
@@ -68,6 +69,8 @@ def make_optimizer(config: Config, total_updates: int) -> optax.GradientTransfor
         gradtools.clip_by_global_norm(config.clip_norm),
         adamw(learning_rate=lr, b2=0.95, weight_decay=config.weight_decay, mask=decay),
     )
+    if config.param_dtype != "fp32" and config.rounding == "stochastic":
+        tx = optax.chain(tx, gradtools.stochastic_rounding())
     tx = optax.chain(gradtools.group_norms(GROUPS, default=None), gradtools.spike_guard(tx))
     if config.scaler == "dynamic":
         tx = gradtools.dynamic_loss_scale(tx)

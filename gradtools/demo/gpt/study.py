@@ -1,9 +1,11 @@
-"""The precision study: one GPT trained in five precisions, as in *Mixed Precision Training*.
+"""The precision study: one GPT trained in eight precisions, after *Mixed Precision Training*.
 
 ``python -m gradtools.demo.gpt --study`` trains the same model from the same
-seed on the same batches five times (:data:`RUNS`): float32, bfloat16, and
+seed on the same batches eight times (:data:`RUNS`): float32, bfloat16, and
 float16 without a loss scale, with :func:`gradtools.fixed_loss_scale` and
-with :func:`gradtools.dynamic_loss_scale`. Beside each run's validation
+with :func:`gradtools.dynamic_loss_scale` (the paper's five); then fp8
+matmuls, and bfloat16 parameters rounded to nearest and with
+:func:`gradtools.stochastic_rounding`. Beside each run's validation
 bits/byte, skipped steps and final loss scale it measures the paper's point:
 backpropagated through a float16 copy of the trained model, on a fixed
 validation batch, how many gradient elements come out exactly zero at loss
@@ -33,13 +35,17 @@ from gradtools.demo.runtime import log
 
 __all__ = ["RUNS", "Row", "fp16_gradient_zeros", "run_study", "zero_fraction"]
 
-#: ``(name, precision, loss_scale)`` of the study's runs.
+#: ``(name, settings)`` of the study's runs: the paper's five, then fp8 matmuls and
+#: bfloat16 parameters (no float32 master copy) rounded to nearest and stochastically.
 RUNS = (
-    ("fp32", "fp32", "none"),
-    ("bf16", "bf16", "none"),
-    ("fp16, no loss scale", "fp16-noscale", "none"),
-    ("fp16, fixed loss scale", "fp16", "fixed"),
-    ("fp16, dynamic loss scale", "fp16", "dynamic"),
+    ("fp32", dict(precision="fp32", loss_scale="none")),
+    ("bf16", dict(precision="bf16", loss_scale="none")),
+    ("fp16, no loss scale", dict(precision="fp16-noscale", loss_scale="none")),
+    ("fp16, fixed loss scale", dict(precision="fp16", loss_scale="fixed")),
+    ("fp16, dynamic loss scale", dict(precision="fp16", loss_scale="dynamic")),
+    ("fp8", dict(precision="fp8", loss_scale="none")),
+    ("bf16 params, nearest", dict(precision="bf16", param_dtype="bf16", rounding="nearest")),
+    ("bf16 params, stochastic", dict(precision="bf16", param_dtype="bf16", rounding="stochastic")),
 )
 
 
@@ -110,7 +116,7 @@ def _scaled_grads(model: GPT, batch: jax.Array, scale: jax.Array) -> Any:
 
 
 def run_study(config: Config, text: data.Text | None = None) -> list[Row]:
-    """Trains the five :data:`RUNS` of ``config`` and prints a Markdown table of them.
+    """Trains the :data:`RUNS` of ``config`` and prints a Markdown table of them.
 
     Each run is ``config`` with its precision and loss scale (no checkpoints,
     no progress bar); ``config.plot`` receives the study's figure.
@@ -127,12 +133,11 @@ def run_study(config: Config, text: data.Text | None = None) -> list[Row]:
     block = SIZES[config.size].block_size
     batch = jnp.asarray(data.eval_windows(text.valid, block, config.batch_size))
     rows = []
-    for name, precision, loss_scale in RUNS:
+    for name, settings in RUNS:
         log(f"-- {name}")
         run = dataclasses.replace(
             config,
-            precision=precision,
-            loss_scale=loss_scale,
+            **{"loss_scale": "none", "param_dtype": "fp32", **settings},
             progress=False,
             plot=None,
             checkpoint_dir=None,

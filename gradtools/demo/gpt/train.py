@@ -39,7 +39,9 @@ from gradtools.demo.gpt.config import Config
 from gradtools.demo.gpt.config import validate
 from gradtools.demo.gpt.model import DTYPES
 from gradtools.demo.gpt.model import GPT
+from gradtools.demo.gpt.model import PARAM_DTYPES
 from gradtools.demo.gpt.model import SIZES
+from gradtools.demo.gpt.model import Fp8Meta
 from gradtools.demo.gpt.model import count_params
 from gradtools.demo.gpt.optim import make_optimizer
 from gradtools.demo.plot import Panel
@@ -123,7 +125,9 @@ def train_step(model: GPT, optimizer: Any, batch: jax.Array, loss_multiplier: ja
             scaled = gradtools.scale_loss(scaled, optimizer.opt_state)
         return scaled, loss
 
-    grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+    # The fp8 meta's "gradients" are its new values, which optimizer.update writes.
+    wrt = nnx.DiffState(0, (nnx.Param, Fp8Meta))
+    grads, loss = nnx.grad(scaled_loss, argnums=wrt, has_aux=True)(model)
     optimizer.update(model, grads)
     return {"loss": loss, **gradtools.metrics(optimizer.opt_state)}
 
@@ -157,7 +161,13 @@ def evaluate(model: GPT, windows: np.ndarray, chunk: int, split: NamedSharding) 
 
 def create_model(config: Config, replicated: NamedSharding) -> tuple[GPT, Any]:
     """A freshly initialised model and optimizer, replicated over the devices."""
-    model = GPT(SIZES[config.size], dtype=DTYPES[config.precision], rngs=nnx.Rngs(config.seed))
+    model = GPT(
+        SIZES[config.size],
+        dtype=DTYPES[config.precision],
+        param_dtype=PARAM_DTYPES[config.param_dtype],
+        fp8=config.precision == "fp8",
+        rngs=nnx.Rngs(config.seed),
+    )
     unused = {k: getattr(Config(), k) for k in (*RUN_OPTIONS, "seed", "data_dir")}
     tx = _transformation(dataclasses.replace(config, **unused))
     optimizer = gradtools.Optimizer(model, tx, wrt=nnx.Param)
@@ -369,12 +379,20 @@ def _describe(config: Config, model: GPT, text: data.Text, devices: list[Any]) -
     where += f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     return (
         f"GPT {config.size} ({c.num_layers} layers, {c.num_heads} heads, {c.embed_dim} wide, "
-        f"block {c.block_size}), {count_params(model):,} parameters, {config.precision}; "
+        f"block {c.block_size}), {count_params(model):,} parameters, {config.precision}"
+        f"{_params_in(config)}; "
         f"{text.source}: {len(text.train):,} train / {len(text.valid):,} validation bytes\n"
         f"{where}; {config.steps} updates of {config.batch_size} x {k} windows; adamw lr "
         f"{config.learning_rate:g} (cosine after {config.warmup} warmup), weight decay "
         f"{config.weight_decay:g}; clip norm {config.clip_norm:g}; loss scale {config.scaler}"
     )
+
+
+def _params_in(config: Config) -> str:
+    """`` (bf16 params, stochastic rounding)``, or nothing for float32 params."""
+    if config.param_dtype == "fp32":
+        return ""
+    return f" ({config.param_dtype} params, {config.rounding} rounding)"
 
 
 def _status(m: dict[str, Any]) -> str:
