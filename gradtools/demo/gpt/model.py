@@ -93,9 +93,12 @@ class Fp8Linear(nnx.Module):
         self.kernel = nnx.Param(kernel_init(rngs.params(), (n_in, n_out), param_dtype))
         self.bias = nnx.Param(jnp.zeros((n_out,), param_dtype))
         self.dtype = dtype
-        for name in ("input", "kernel", "output_grad"):
-            setattr(self, f"{name}_scale", Fp8Meta(jnp.ones((1,), jnp.float32)))
-            setattr(self, f"{name}_amax_history", Fp8Meta(jnp.zeros((history,), jnp.float32)))
+        # a new array for each (the step donates them: one buffer may not back two)
+        scale = lambda: Fp8Meta(jnp.ones((1,), jnp.float32))  # noqa: E731
+        amax_history = lambda: Fp8Meta(jnp.zeros((history,), jnp.float32))  # noqa: E731
+        self.input_scale, self.input_amax_history = scale(), amax_history()
+        self.kernel_scale, self.kernel_amax_history = scale(), amax_history()
+        self.output_grad_scale, self.output_grad_amax_history = scale(), amax_history()
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
@@ -112,7 +115,7 @@ class Fp8Linear(nnx.Module):
             grad_amax_history=self.output_grad_amax_history[...],
             quantize_compute_type=self.dtype,
         )
-        return y + self.bias[...].astype(self.dtype)
+        return jnp.asarray(y) + self.bias[...].astype(self.dtype)
 
 
 class Block(nnx.Module):
