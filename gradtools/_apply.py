@@ -43,19 +43,13 @@ class Update:
     step: StepFn
 
     def __call__(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        _no_nested_kwargs(extra_args)
+        _step_checks.no_nested_kwargs(extra_args)
         return self.step(updates, state, params, extra_args, False)
 
     def apply(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
         """``(params, state)``: what ``update`` then ``optax.apply_updates`` give."""
-        _no_nested_kwargs(extra_args)
+        _step_checks.no_nested_kwargs(extra_args)
         return self.step(grads, state, params, extra_args, True)
-
-
-def _no_nested_kwargs(extra_args: dict[str, Any]) -> None:
-    """Refuses a keyword named ``update_kwargs`` (from flax's own ``nnx.Optimizer``)."""
-    if "update_kwargs" in extra_args:
-        _step_checks.update_keywords(extra_args, accumulates=True)
 
 
 def step(tx: optax.GradientTransformation, grads, state, params, extra_args: dict, fused: bool):

@@ -15,12 +15,25 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["explain_state", "update_keywords"]
+__all__ = ["explain_state", "no_nested_kwargs", "update_keywords"]
 
 #: The keywords gradtools' own transformations read from ``tx.update``.
 KEYWORDS = ("flush", "weight", "value")
 _ACCUMULATE_KEYWORDS = ("flush", "weight")
+
+
+def no_nested_kwargs(extra_args: dict[str, Any]) -> None:
+    """Raises a ``TypeError`` where a keyword for ``tx.update`` is named ``update_kwargs``
+    (flax's ``nnx.Optimizer`` hands its keywords to ``tx.update`` as they are)."""
+    if "update_kwargs" in extra_args:
+        raise TypeError(
+            f"tx.update got update_kwargs={extra_args['update_kwargs']!r} as one keyword, so "
+            "its entries reach no transformation. flax's nnx.Optimizer.update passes its "
+            "keywords to tx.update as they are: call optimizer.update(model, grads, flush=True), "
+            "or use gradtools.Optimizer, whose update takes update_kwargs"
+        )
 
 
 def update_keywords(extra_args: dict[str, Any], accumulates: bool) -> None:
@@ -31,16 +44,9 @@ def update_keywords(extra_args: dict[str, Any], accumulates: bool) -> None:
       accumulates: whether the optimizer state holds a :func:`gradtools.accumulate`.
 
     Raises:
-      TypeError: if a keyword is named ``update_kwargs`` (flax's ``nnx.Optimizer``
-        hands its keywords to ``tx.update`` as they are).
+      TypeError: as :func:`no_nested_kwargs`.
     """
-    if "update_kwargs" in extra_args:
-        raise TypeError(
-            f"tx.update got update_kwargs={extra_args['update_kwargs']!r} as one keyword, so "
-            "its entries reach no transformation. flax's nnx.Optimizer.update passes its "
-            "keywords to tx.update as they are: call optimizer.update(model, grads, flush=True), "
-            "or use gradtools.Optimizer, whose update takes update_kwargs"
-        )
+    no_nested_kwargs(extra_args)
     for key in extra_args:
         if key in _ACCUMULATE_KEYWORDS and not accumulates:
             warnings.warn(
@@ -73,10 +79,10 @@ def explain_state(caller: str, tx: Any, opt_state: Any, params: Any) -> None:
     want = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     odd = [
-        f"opt_state{k}: shape {jax.numpy.shape(have[k])}, where tx.init(params) gives "
+        f"opt_state{k}: shape {jnp.shape(have[k])}, where tx.init(params) gives "
         f"{want[k].shape}{_param_of(k, names)}"
         for k in want
-        if k in have and jax.numpy.shape(have[k]) != want[k].shape
+        if k in have and jnp.shape(have[k]) != want[k].shape
     ]
     odd += [f"opt_state{k}: not in tx.init(params)'s state" for k in have if k not in want]
     odd += [f"opt_state{k}: missing (tx.init(params) has it)" for k in want if k not in have]
