@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from gradtools import _checks
+from gradtools import _compat
 from gradtools import _tree
 from gradtools.loss_scale import LossScaleState
 
@@ -34,7 +35,6 @@ __all__ = [
     "OVERWRITE",
     "apply",
     "held",
-    "is_meta",
     "lowest",
     "maximum",
     "merge",
@@ -44,18 +44,7 @@ __all__ = [
     "split",
 ]
 
-#: flax's name for the collection (``flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT``).
-OVERWRITE = "_overwrite_with_gradient"
-# flax's names for the meta of the gradient flowing out of a matmul, which records
-# the scaled backward pass: ``output_grad_amax_history`` and ``output_grad_scale``.
-_OUTPUT_GRAD = "output_grad_"
-
-
-def is_meta(path: Any, value: Any) -> bool:
-    """An ``nnx`` filter: whether ``value`` is a variable of the type ``nnx.bridge`` names
-    ``_overwrite_with_gradient``."""
-    del path
-    return type(value).__name__ == OVERWRITE
+OVERWRITE = _compat.FP8_META
 
 
 def held(*trees: Any) -> bool:
@@ -129,7 +118,7 @@ def rescale(meta: Any, old_state: Any, new_state: Any) -> Any:
     def one(path: Any, m: jax.Array) -> jax.Array:
         key = path[-1] if path else None
         name = str(getattr(key, "key", getattr(key, "name", "")))
-        return (m * ratio).astype(m.dtype) if name.startswith(_OUTPUT_GRAD) else m
+        return (m * ratio).astype(m.dtype) if _compat.is_output_grad_meta(name) else m
 
     return jax.tree_util.tree_map_with_path(one, meta)
 

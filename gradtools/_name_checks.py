@@ -16,11 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradtools import _tree
-from gradtools.loss_scale import LossScaleState
-
 __all__ = [
-    "loss_scaler_outside",
     "param_tree",
     "patterns_match",
     "regex",
@@ -124,23 +120,3 @@ def patterns_match(
             raise ValueError(
                 f"{caller}: pattern {pattern!r} matches no parameter. {_closest(rx.pattern, names)}"
             )
-
-
-def loss_scaler_outside(
-    caller: str, names: list[str], states: Sequence[Any], frozen: list[bool]
-) -> None:
-    """Raises unless a group whose state holds a loss scaler leaves every other group frozen.
-
-    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
-    scaler inside one group unscales only that group's. ``names`` and
-    ``frozen`` tell each group's name and whether it is frozen.
-    """
-    scaled = [g for g, s in enumerate(states) if _tree.find(s, LossScaleState)]
-    unscaled = [g for g in range(len(states)) if g not in scaled and not frozen[g]]
-    if scaled and unscaled:
-        raise ValueError(
-            f"{caller}: the group {names[scaled[0]]!r} holds a loss scaler, but "
-            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
-            "loss that nothing unscales. Put the loss scaler outside: "
-            f"dynamic_loss_scale({caller}(...))"
-        )

@@ -18,7 +18,7 @@ import optax
 
 from gradtools import _tree
 
-__all__ = ["NoiseScaleState", "add", "close", "init", "report", "sq_norm"]
+__all__ = ["NoiseScaleState", "add", "close", "init", "sq_norm"]
 
 
 class NoiseScaleState(NamedTuple):
@@ -41,6 +41,18 @@ class NoiseScaleState(NamedTuple):
     g2_ema: jax.Array  # shape=(), dtype=float32
     s_ema: jax.Array  # shape=(), dtype=float32
     ema_weight: jax.Array  # shape=(), dtype=float32
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``noise_scale``, ``grad_sq_norm`` and ``grad_variance``, bias-corrected; 0 before any
+        (what :func:`gradtools.metrics` reports of this state)."""
+        g2, s, weight = (jnp.asarray(x) for x in (self.g2_ema, self.s_ema, self.ema_weight))
+        some = weight > 0
+        one = jnp.ones([], jnp.float32)
+        return {
+            "noise_scale": jnp.where(g2 != 0, s / jnp.where(g2 != 0, g2, one), 0 * one),
+            "grad_sq_norm": jnp.where(some, g2 / jnp.where(some, weight, one), 0 * one),
+            "grad_variance": jnp.where(some, s / jnp.where(some, weight, one), 0 * one),
+        }
 
 
 def init() -> NoiseScaleState:
@@ -99,15 +111,3 @@ def close(
         s_ema=ema(state.s_ema, s),
         ema_weight=ema(state.ema_weight, jnp.ones([], jnp.float32)),
     )
-
-
-def report(state: NoiseScaleState) -> dict[str, jax.Array]:
-    """``noise_scale``, ``grad_sq_norm`` and ``grad_variance``, bias-corrected; 0 before any."""
-    g2, s, weight = (jnp.asarray(x) for x in (state.g2_ema, state.s_ema, state.ema_weight))
-    some = weight > 0
-    one = jnp.ones([], jnp.float32)
-    return {
-        "noise_scale": jnp.where(g2 != 0, s / jnp.where(g2 != 0, g2, one), 0 * one),
-        "grad_sq_norm": jnp.where(some, g2 / jnp.where(some, weight, one), 0 * one),
-        "grad_variance": jnp.where(some, s / jnp.where(some, weight, one), 0 * one),
-    }

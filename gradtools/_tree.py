@@ -9,7 +9,12 @@ import jax.numpy as jnp
 
 from gradtools import _checks
 
-__all__ = ["find", "match_types", "scale_f32", "split_divisor", "zeros_of_types"]
+__all__ = ["f32", "find", "match_types", "scale_f32", "split_divisor", "zeros_of_types"]
+
+
+def f32(x: Any) -> jax.Array:
+    """``x`` as a float32 array."""
+    return jnp.asarray(x).astype(jnp.float32)
 
 
 def scale_f32(tree: Any, *factors: jax.Array) -> Any:

@@ -36,10 +36,10 @@ import optax
 from gradtools import _apply
 from gradtools import _checks
 from gradtools import _noise_scale
+from gradtools import _norms
 from gradtools import _tree
 from gradtools import _tuning
 from gradtools._noise_scale import NoiseScaleState
-from gradtools.loss_scale import all_finite
 
 __all__ = ["AccumulateState", "NoiseScaleState", "accumulate"]
 
@@ -78,6 +78,15 @@ class AccumulateState(NamedTuple):
     inner_state: optax.OptState
     windows_closed: jax.Array  # shape=(), dtype=int32
     window_size: jax.Array  # shape=(), dtype=int32
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """What :func:`gradtools.metrics` reports of this state."""
+        return {
+            "micro_step": jnp.asarray(self.micro_step),
+            "dropped_micro_steps": jnp.asarray(self.dropped_micro_steps),
+            "window_size": jnp.asarray(self.window_size),
+        }
+
     noise_stats: NoiseScaleState | tuple[()]
 
 
@@ -127,7 +136,7 @@ class _Accumulate:
         if self.every_k != 1:
             _checks.check_like("accumulate", grads, state.acc_grads, "acc_grads (from init)")
         w = jnp.asarray(weight, jnp.float32)
-        finite = all_finite(grads) if self.skip_nonfinite else jnp.array(True)
+        finite = _norms.all_finite(grads) if self.skip_nonfinite else jnp.array(True)
         take = finite & jnp.isfinite(w) & (w > 0)  # the micro-batch's gradients enter the window
 
         # Add this micro-step.

@@ -16,19 +16,17 @@ takes the sums of squares the scaler computes anyway)::
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from gradtools import _checks
+from gradtools import _norms
+from gradtools import _square_sums
 from gradtools import _tree
-from gradtools import _tuning
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -43,63 +41,11 @@ class ClipByGlobalNormState(NamedTuple):
 
     grad_norm: jax.Array  # shape=(), dtype=float32
 
+    takes_square_sums = True  # from a loss scaler or spike_guard right outside (_square_sums)
 
-def _norm_type(norm_type: Any) -> Any:
-    """Validates ``norm_type``: a Python float, or a tracer (not checked)."""
-    if _checks.traced(norm_type):
-        return norm_type
-    message = f"{norm_type=} must be a number >= 1 or float('inf')"
-    try:
-        p = _checks.real_number("norm_type", norm_type)  # refuses bools, strings, complex
-    except ValueError as err:
-        raise ValueError(f"{message}: {err}") from None
-    if math.isnan(p) or p < 1:
-        raise ValueError(message)
-    return p
-
-
-def _magnitudes(leaves: list[jax.Array]) -> list[jax.Array]:
-    # |x| is exact in any dtype; everything after it is float32.
-    return [jnp.abs(x).astype(jnp.float32) for x in leaves]
-
-
-def _fixed_norm(leaves: list[jax.Array], p: float) -> jax.Array:
-    """The p-norm of all leaves for a Python float ``p``."""
-    # optax.tree.norm(ord=p), in float32 and with the per-leaf reductions stacked 32 at a
-    # time (_tuning.stack_scalars): one fusion over every leaf compiles superlinearly.
-    mags = _magnitudes(leaves)
-    if p == 2:
-        return jnp.sqrt(jnp.sum(_tuning.stack_scalars([jnp.sum(m * m) for m in mags])))
-    if p == math.inf:
-        return jnp.max(_tuning.stack_scalars([jnp.max(m, initial=0.0) for m in mags]))
-    if p == 1:
-        return jnp.sum(_tuning.stack_scalars([jnp.sum(m) for m in mags]))
-    return _scaled_norm(leaves, p)
-
-
-def _scaled_norm(leaves: list[jax.Array], p: Any) -> jax.Array:
-    """Any finite p (also traced): sum (|x| / max|x|) ** p cannot overflow float32."""
-    mags = _magnitudes(leaves)
-    big = _fixed_norm(leaves, math.inf)
-    unit = jnp.where(jnp.isfinite(big) & (big > 0), big, jnp.ones([], jnp.float32))
-    s, divisor = _tree.split_divisor(unit)
-    total = jnp.sum(_tuning.stack_scalars([jnp.sum((m * s / divisor) ** p) for m in mags]))
-    return unit * total ** (1.0 / p)
-
-
-def _global_norm(tree: Any, p: Any) -> jax.Array:
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-    if not leaves:
-        return jnp.zeros([], jnp.float32)
-    if isinstance(p, float):
-        return _fixed_norm(leaves, p)
-    # A traced p (optax.inject_hyperparams injects norm_type too): run only the
-    # branch it selects, so p = 2 still costs one pass.
-    p = jnp.asarray(p, jnp.float32)
-    index = jnp.select([p == 1, p == 2, p == jnp.inf], [0, 1, 2], 3)
-    branches = [functools.partial(_fixed_norm, p=q) for q in (1.0, 2.0, math.inf)]
-    branches.append(functools.partial(_scaled_norm, p=p))
-    return lax.switch(index, branches, leaves)
+    def metrics(self) -> dict[str, jax.Array]:
+        """What :func:`gradtools.metrics` reports of this state."""
+        return {"grad_norm": jnp.asarray(self.grad_norm)}
 
 
 def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
@@ -136,23 +82,7 @@ def global_norm(tree: Any, norm_type: float = 2.0) -> jax.Array:
       Array(7., dtype=float32)
     """
     _checks.real_leaves("global_norm", "tree", tree)
-    return _global_norm(tree, _norm_type(norm_type))
-
-
-def _known(updates: Any, leaves: list[jax.Array], sums: list[jax.Array]) -> list[jax.Array]:
-    """Each leaf's float32 sum of squares: from ``sums`` for the very arrays in ``leaves``.
-
-    Identity is the contract of ``square_sums``: the sums belong to those very
-    arrays (tracers, under ``jit``). A transformation between the loss scaler
-    and this one makes new arrays, whose sums are then computed here; no other
-    property of an array can tell that it was not changed on the way.
-    """
-    given = {id(x): (x, s) for x, s in zip(leaves, sums, strict=True)}
-    out = []
-    for x in jax.tree.leaves(updates):
-        x_, s = given.get(id(x), (None, None))
-        out.append(s if x_ is x else jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))))
-    return out or [jnp.zeros([], jnp.float32)]
+    return _norms.tree_norm(tree, _norms.norm_type(norm_type))
 
 
 def clip_by_global_norm(
@@ -173,10 +103,11 @@ def clip_by_global_norm(
     them pass, so that a loss scaler or ``optax.apply_if_finite`` around the
     optimizer sees the NaN and skips the step. Inside a loss scaler a skipped
     step leaves ``grad_norm`` as it was. Right inside
-    :func:`gradtools.dynamic_loss_scale` or :func:`gradtools.fixed_loss_scale`
-    the L2 norm costs no pass of its own: the scaler passes the sums of
-    squares of the gradients it hands on as the extra argument
-    ``square_sums=(leaves, sums)``, used for those very arrays only.
+    :func:`gradtools.dynamic_loss_scale`, :func:`gradtools.fixed_loss_scale`
+    or :func:`gradtools.spike_guard` (as the wrapped transformation, or first
+    in an ``optax.chain`` that is), the L2 norm costs no pass of its own: the
+    wrapper's own pass over the gradients gave the sums of squares, and it
+    hands them to the clip with the clip's state.
 
     Args:
       max_norm: the largest global norm let through; finite and > 0. May be
@@ -205,20 +136,21 @@ def clip_by_global_norm(
       ``ops.clip_by_global_norm``; ``docs/guides`` list the differences.
     """
     _checks.finite_positive("max_norm", max_norm)
-    p = _norm_type(norm_type)
+    p = _norms.norm_type(norm_type)
 
     def init_fn(params):
         del params
         return ClipByGlobalNormState(grad_norm=jnp.zeros([], jnp.float32))
 
-    def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
+    def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
+        state, sums = _square_sums.take(state, updates)
         _checks.state_of("clip_by_global_norm", state, ClipByGlobalNormState)
         _checks.real_leaves("clip_by_global_norm", "updates", updates, floating=True)
-        if isinstance(p, float) and p == 2 and square_sums is not None:  # summed by a loss scaler
-            norm = jnp.sqrt(jnp.sum(_tuning.stack_scalars(_known(updates, *square_sums))))
+        if isinstance(p, float) and p == 2 and sums is not None:  # summed by a loss scaler
+            norm = _norms.l2_norm(sums)
         else:
-            norm = _global_norm(updates, p)
+            norm = _norms.tree_norm(updates, p)
         limit = jnp.asarray(max_norm, jnp.float32)
         s, divisor = _tree.split_divisor(norm)  # max_norm / norm may be subnormal
         one = jnp.ones([], jnp.float32)

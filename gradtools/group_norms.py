@@ -25,14 +25,9 @@ import jax.numpy as jnp
 import optax
 
 from gradtools import _checks
-from gradtools import _tuning
-from gradtools.clipping import _global_norm
-from gradtools.clipping import _known
-from gradtools.clipping import _norm_type
-from gradtools.naming import _array
-from gradtools.naming import _assign
-from gradtools.naming import _flatten
-from gradtools.naming import _parse_rules
+from gradtools import _norms
+from gradtools import _paths
+from gradtools import _square_sums
 
 __all__ = ["GroupNormsState", "group_norms"]
 
@@ -47,6 +42,22 @@ class GroupNormsState(NamedTuple):
     """
 
     group_grad_norms: dict[str, jax.Array]  # each shape=(), dtype=float32
+
+    takes_square_sums = True  # from a loss scaler right outside (_square_sums)
+    updates_unchanged = True  # so the next member of a chain is offered them too
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """What :func:`gradtools.metrics` reports of this state."""
+        return {f"grad_norm/{k}": jnp.asarray(v) for k, v in self.group_grad_norms.items()}
+
+
+def _by_group(groups: dict[str, list[int]], updates: Any, sums: Any, p: Any) -> dict[str, Any]:
+    """Each group's norm, the group given by its leaves' positions: from ``sums``, where a loss
+    scaler offered the sums of squares of these very leaves for an L2 norm, else read."""
+    leaves = [_paths.leaf_array(x) for x in _paths.flatten(updates)[1]]
+    if isinstance(p, float) and p == 2 and sums is not None and len(sums) == len(leaves):
+        return {label: _norms.l2_norm([sums[i] for i in at]) for label, at in groups.items()}
+    return {label: _norms.tree_norm([leaves[i] for i in at], p) for label, at in groups.items()}
 
 
 def group_norms(
@@ -65,7 +76,9 @@ def group_norms(
     dtypes. :func:`gradtools.metrics` reports them as ``grad_norm/<label>``.
     Each leaf is read once; beside a :func:`gradtools.clip_by_global_norm`
     in one jitted step, XLA computes each leaf's sum of squares once for both,
-    and right inside a loss scaler the L2 norms come from its ``square_sums``.
+    and right inside a loss scaler (as the wrapped transformation, or first in
+    an ``optax.chain`` that is) the L2 norms come from the sums of squares of
+    the scaler's own pass.
 
     Args:
       rules: ordered ``(regex, label)`` pairs; a parameter takes the label of
@@ -103,28 +116,30 @@ def group_norms(
       PyTorch users log ``torch.linalg.vector_norm`` of each parameter's
       ``.grad`` by hand; Keras and MindSpore have no counterpart.
     """
-    parsed = _parse_rules(rules)
+    parsed = _paths.parse_rules(rules)
     for i, (_, label) in enumerate(parsed):
         if not isinstance(label, str) or not label:
             raise TypeError(f"rules[{i}][1]={label!r} must be a non-empty str: the group's label")
     if default is not None and (not isinstance(default, str) or not default):
         raise TypeError(f"{default=} must be a non-empty str, or None")
-    p = _norm_type(norm_type)
+    p = _norms.norm_type(norm_type)
     labels = [label for _, label in parsed] + [default]
 
-    def grouped(tree: Any) -> dict[str, list[Any]]:
-        names, leaves, _ = _flatten(tree)
-        index = _assign(names, parsed, default is not None, "group_norms")
-        out: dict[str, list[Any]] = {}
-        for i, leaf in zip(index, leaves):
-            out.setdefault(labels[i], []).append(_array(leaf))  # pyright: ignore[reportArgumentType]
+    def grouped(tree: Any) -> dict[str, list[int]]:
+        """Each label's leaf positions in ``tree``, in tree order."""
+        names, _, _ = _paths.flatten(tree)
+        index = _paths.assign(names, parsed, default is not None, "group_norms")
+        out: dict[str, list[int]] = {}
+        for position, i in enumerate(index):
+            out.setdefault(labels[i], []).append(position)  # pyright: ignore[reportArgumentType]
         return out
 
     def init_fn(params):
         return GroupNormsState({k: jnp.zeros([], jnp.float32) for k in grouped(params)})
 
-    def update_fn(updates, state, params=None, *, square_sums=None, **extra_args):
+    def update_fn(updates, state, params=None, **extra_args):
         del extra_args
+        state, sums = _square_sums.take(state, updates)
         _checks.state_of("group_norms", state, GroupNormsState)
         _checks.real_leaves("group_norms", "updates", updates)
         if isinstance(params, optax.LookaheadParams):  # chained before an optax.lookahead
@@ -137,12 +152,6 @@ def group_norms(
                 f"init {sorted(state.group_grad_norms)}; pass the gradients of the params "
                 "given to init"
             )
-        norms = {}
-        for label, xs in groups.items():
-            if isinstance(p, float) and p == 2 and square_sums is not None:  # from a loss scaler
-                norms[label] = jnp.sqrt(jnp.sum(_tuning.stack_scalars(_known(xs, *square_sums))))
-            else:
-                norms[label] = _global_norm(xs, p)
-        return updates, GroupNormsState(norms)
+        return updates, GroupNormsState(_by_group(groups, updates, sums, p))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

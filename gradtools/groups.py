@@ -29,12 +29,11 @@ import optax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _compat
 from gradtools import _name_checks
+from gradtools import _paths
 from gradtools import _tree
-from gradtools.naming import _assign
-from gradtools.naming import _flatten
-from gradtools.naming import _parse_rules
-from gradtools.naming import _shape_dtype
+from gradtools.loss_scale import LossScaleState
 from gradtools.naming import decay_mask
 from gradtools.naming import label_params
 from gradtools.naming import path_names
@@ -111,11 +110,24 @@ def frozen() -> optax.GradientTransformation:
     return optax.GradientTransformation(_frozen_init, update_fn)
 
 
-# Every optax.set_to_zero() (optax's own way to freeze) has an update of this code
-# (a fresh object, matching nothing, should a later optax make it no function).
-# The code object is the only mark it has: optax gives it no type of its own, and
-# its init, optax.init_empty_state, is shared with optax.identity() and others.
-_SET_TO_ZERO_CODE = getattr(optax.set_to_zero().update, "__code__", object())
+def _loss_scaler_outside(
+    caller: str, names: list[str], states: Sequence[Any], frozen: list[bool]
+) -> None:
+    """Raises unless a group whose state holds a loss scaler leaves every other group frozen.
+
+    ``scale_loss`` scales the whole loss, so every gradient arrives scaled; a
+    scaler inside one group unscales only that group's. ``names`` and
+    ``frozen`` tell each group's name and whether it is frozen.
+    """
+    scaled = [g for g, s in enumerate(states) if _tree.find(s, LossScaleState)]
+    unscaled = [g for g in range(len(states)) if g not in scaled and not frozen[g]]
+    if scaled and unscaled:
+        raise ValueError(
+            f"{caller}: the group {names[scaled[0]]!r} holds a loss scaler, but "
+            f"{', '.join(repr(names[g]) for g in unscaled)} would get gradients of the scaled "
+            "loss that nothing unscales. Put the loss scaler outside: "
+            f"dynamic_loss_scale({caller}(...))"
+        )
 
 
 def _is_frozen(value: Any) -> bool:
@@ -123,13 +135,13 @@ def _is_frozen(value: Any) -> bool:
     if isinstance(value, str):
         return value == "frozen"
     return isinstance(value, optax.GradientTransformation) and (
-        value.init is _frozen_init or getattr(value.update, "__code__", None) is _SET_TO_ZERO_CODE
+        value.init is _frozen_init or _compat.is_set_to_zero(value)
     )
 
 
 def _only(tree: Any, index: list[int], group: int) -> Any:
     """``tree`` with every leaf outside ``group`` replaced by ``optax.MaskedNode()``."""
-    _, leaves, treedef = _flatten(tree)
+    _, leaves, treedef = _paths.flatten(tree)
     return treedef.unflatten(
         [x if i == group else optax.MaskedNode() for x, i in zip(leaves, index)]
     )
@@ -143,7 +155,7 @@ def _update_groups(txs, states, updates, params, index, extra_args, fused):
     transform ``None``) runs none: its updates are zeros, and fused its params
     stay as they are instead of having zeros added to them.
     """
-    _, leaves, treedef = _flatten(updates)
+    _, leaves, treedef = _paths.flatten(updates)
     out, new_states = list(leaves), []
     for g, (tx, state) in enumerate(zip(txs, states)):
         group_params = None if params is None else _only(params, index, g)
@@ -206,7 +218,7 @@ def param_groups(
       MindSpore ``nn.Optimizer`` with ``group_params``; PyTorch optimizer
       parameter groups.
     """
-    parsed = _parse_rules(rules)
+    parsed = _paths.parse_rules(rules)
     for i, (_, tx) in enumerate(parsed):
         _checks.is_transform(f"rules[{i}][1]", tx)
     if default is not None:
@@ -216,7 +228,7 @@ def param_groups(
     names = [rx.pattern for rx, _ in parsed] + ["default"]
 
     def index_of(tree):
-        return _assign(_flatten(tree)[0], parsed, default is not None, "param_groups")
+        return _paths.assign(_paths.flatten(tree)[0], parsed, default is not None, "param_groups")
 
     def init_fn(params):
         index = index_of(params)
@@ -224,7 +236,7 @@ def param_groups(
             optax.EmptyState() if tx is None else tx.init(_only(params, index, g))
             for g, tx in enumerate(txs)
         )
-        _name_checks.loss_scaler_outside("param_groups", names, states, [tx is None for tx in txs])
+        _loss_scaler_outside("param_groups", names, states, [tx is None for tx in txs])
         return ParamGroupsState(states)
 
     def step(updates, state, params, extra_args, fused):
@@ -295,7 +307,7 @@ def freeze(
     txs = [optax.with_extra_args_support(inner), None]  # None: the frozen group runs nothing
 
     def index_of(tree):  # 1: frozen, 0: trained by inner
-        names = _flatten(tree)[0]
+        names = _paths.flatten(tree)[0]
         _name_checks.patterns_match("freeze", patterns, compiled, names)
         return [int(any(rx.search(n) for rx in compiled)) for n in names]
 
@@ -350,12 +362,12 @@ def describe(params: Any, rules: Sequence[tuple[str, Any]] | None = None) -> str
       frozen params:    40
       all params:       48
     """
-    parsed = _parse_rules(rules) if rules is not None else []
-    names, leaves, _ = _flatten(params)
-    index = _assign(names, parsed, True, "describe")
+    parsed = _paths.parse_rules(rules) if rules is not None else []
+    names, leaves, _ = _paths.flatten(params)
+    index = _paths.assign(names, parsed, True, "describe")
     rows, trainable, frozen_count = [], 0, 0
     for name, leaf, i in zip(names, leaves, index):
-        shape, dtype = _shape_dtype(leaf)
+        shape, dtype = _paths.shape_dtype(leaf)
         count = math.prod(shape)
         if i == len(parsed):
             group, value = "default", None

@@ -34,8 +34,10 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _square_sums
 from gradtools import _tree
 from gradtools import _tuning
+from gradtools._norms import all_finite  # documented here, beside the loss scalers
 
 __all__ = [
     "LossScaleState",
@@ -71,28 +73,15 @@ class LossScaleState(NamedTuple):
     nonfinite_leaves: jax.Array  # shape=(leaves,), dtype=bool
     inner_state: optax.OptState
 
-
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every leaf of ``tree`` is finite.
-
-    Args:
-      tree: a pytree of arrays; ``None`` leaves and empty trees are allowed.
-
-    Returns:
-      A scalar bool array, ``True`` for an empty tree.
-
-    Raises:
-      TypeError: if a leaf is not a numeric array or number.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> bool(gradtools.all_finite({'a': jnp.ones(3), 'b': jnp.array([1.0, jnp.inf])}))
-      False
-    """
-    leaves = _checks.numeric_leaves("all_finite", "tree", tree)
-    flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
-    # stacked 32 at a time: one fusion of a flag per leaf compiles superlinearly in their number
-    return jnp.all(_tuning.stack_scalars(flags)) if flags else jnp.array(True)
+    def metrics(self) -> dict[str, jax.Array]:
+        """What :func:`gradtools.metrics` reports of this state."""
+        return {
+            "loss_scale": jnp.asarray(self.loss_scale),
+            "skipped_steps": jnp.asarray(self.skipped_steps),
+            "finite": jnp.asarray(self.finite),
+            "nonfinite_updates": jnp.asarray(self.nonfinite_updates),
+            "nonfinite_leaf_count": jnp.sum(jnp.asarray(self.nonfinite_leaves), dtype=jnp.int32),
+        }
 
 
 def _unscale(grads: Any, inv_scale: jax.Array, params: Any) -> Any:
@@ -175,9 +164,9 @@ def _loss_scaler(caller: str, inner, init_scale, rule, skip_nonfinite: bool, axi
 
         def do_update(grads):  # unscaled again here, so that XLA need not store the unscaled copy
             unscaled = _unscale(grads, inv, params)
-            shared = {"square_sums": (jax.tree.leaves(unscaled), sums)} if skip_nonfinite else {}
-            extra = {**shared, **extra_args}  # finite here: a clip right inside reuses the sums
-            out, new_inner = _apply.step(inner, unscaled, state.inner_state, params, extra, fused)
+            # finite here: a clip right inside takes the sums instead of reading the grads again
+            offered = _square_sums.offer(inner, state.inner_state, sums if skip_nonfinite else None)
+            out, new_inner = _apply.step(inner, unscaled, offered, params, extra_args, fused)
             if not check_writes:
                 return out, (new_inner, jnp.array(True))
             new_params = out if fused else optax.apply_updates(params, out)

@@ -2,14 +2,18 @@
 
 Every gradtools transform keeps what a training loop wants to log (the loss
 scale, skipped steps, the gradient norm, the position in an accumulation
-window) in a uniquely named NamedTuple state. :func:`metrics` finds those
-states at any depth of an ``opt_state`` (inside ``optax.chain``,
-``optax.inject_hyperparams``, parameter groups, other wrappers) and returns the
-values as a flat dict, ready to log or to return from a jitted step.
+window) in its NamedTuple state, and the state says what it reports: a state
+class with a method ``metrics(self) -> dict[str, jax.Array]`` reports those
+values. :func:`metrics` finds such states at any depth of an ``opt_state``
+(inside ``optax.chain``, ``optax.inject_hyperparams``, parameter groups, other
+wrappers) and returns their values as one flat dict, ready to log or to return
+from a jitted step. A wrapper written outside gradtools reports its own
+metrics the same way, with no change here.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -17,34 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradtools import _noise_scale
+from gradtools import _compat
 from gradtools import _tree
-from gradtools.accumulate import AccumulateState
-from gradtools.clipping import ClipByGlobalNormState
-from gradtools.group_norms import GroupNormsState
 from gradtools.loss_scale import LossScaleState
 from gradtools.naming import path_names
-from gradtools.spike_guard import SpikeGuardState
 
 __all__ = ["metrics", "nonfinite_leaves"]
-
-# (metric key, state class, field): the first state of that class found in the
-# tree supplies the metric. A transform whose state reports a metric adds a row.
-_SOURCES = (
-    ("loss_scale", LossScaleState, "loss_scale"),
-    ("skipped_steps", LossScaleState, "skipped_steps"),
-    ("finite", LossScaleState, "finite"),
-    ("nonfinite_updates", LossScaleState, "nonfinite_updates"),
-    ("micro_step", AccumulateState, "micro_step"),
-    ("dropped_micro_steps", AccumulateState, "dropped_micro_steps"),
-    ("window_size", AccumulateState, "window_size"),
-)
-# optax.inject_hyperparams's state, found by its name: its class has moved and been
-# renamed across optax versions (InjectHyperparamsState is no longer produced).
-_HYPERPARAM_STATE = "InjectStatefulHyperparamsState"
-# Both measure the gradient norm before they act: grad_norm is that of the one
-# that sees the gradients first (see metrics()).
-_GRAD_NORM_STATES = {ClipByGlobalNormState: "grad_norm", SpikeGuardState: "guard_norm"}
 
 
 def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
@@ -85,8 +67,11 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
     grad_norm/<label>    ``group_norms``: the norm of the group ``<label>``   float32
     ==================== ==================================================== =======
 
-    When a transform occurs more than once, the first state found in tree
-    order is reported. ``grad_norm`` comes from whichever of
+    Each state reports through its class's method ``metrics(self) -> dict[str,
+    jax.Array]``: a state of your own that defines it is reported here too,
+    its keys beside these. Each key comes from the first state in tree order
+    that reports it, so where a transform occurs more than once the first
+    is reported. ``grad_norm`` comes from whichever of
     ``clip_by_global_norm`` and ``spike_guard`` is first in tree order: a
     wrapper comes before what it wraps and an earlier element of a chain
     before a later one, so it is the norm of the gradients as the first of
@@ -97,9 +82,10 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       opt_state: any optax optimizer state.
 
     Returns:
-      A dict of scalar arrays (empty when ``opt_state`` holds none of the
-      states above: ``freeze`` and ``param_groups`` report only what their
-      inner transforms do). It can be returned from a jitted function.
+      A dict of arrays, scalars but for what a state of your own reports
+      (empty when ``opt_state`` holds no state that reports: ``freeze`` and
+      ``param_groups`` report only what their inner transforms do). It can
+      be returned from a jitted function.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -108,34 +94,13 @@ def metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
       >>> float(m['loss_scale']), int(m['skipped_steps'])
       (32768.0, 0)
     """
-    # jnp.asarray: a flax.nnx.Optimizer keeps each state leaf in a Variable.
     out: dict[str, jax.Array] = {}
-    for key, cls, field in _SOURCES:
-        state = _first(opt_state, cls)
-        if state is not None:
-            out[key] = jnp.asarray(getattr(state, field))
-    scaler = _first(opt_state, LossScaleState)
-    if scaler is not None:
-        flags = jnp.asarray(scaler.nonfinite_leaves)
-        out["nonfinite_leaf_count"] = jnp.sum(flags, dtype=jnp.int32)
-    first = _first(opt_state, tuple(_GRAD_NORM_STATES))
-    if first is not None:
-        out["grad_norm"] = jnp.asarray(getattr(first, _GRAD_NORM_STATES[type(first)]))
-    guard = _first(opt_state, SpikeGuardState)
-    if guard is not None:
-        out["spikes"] = jnp.asarray(guard.spikes)
-        out["norm_mean"] = jnp.asarray(guard.norm_mean)
-        out["norm_std"] = jnp.sqrt(jnp.asarray(guard.norm_var))
-    groups = _first(opt_state, GroupNormsState)
-    if groups is not None:
-        for label, norm in groups.group_grad_norms.items():
-            out[f"grad_norm/{label}"] = jnp.asarray(norm)
-    noise = _first(opt_state, _noise_scale.NoiseScaleState)
-    if noise is not None:
-        out.update(_noise_scale.report(noise))
-    found = optax.tree.get_all_with_path(opt_state, _HYPERPARAM_STATE)
-    rates = [s.hyperparams["learning_rate"] for _, s in found if "learning_rate" in s.hyperparams]
-    if rates:
+    for state in _reporting(opt_state):
+        for key, value in state.metrics().items():
+            out.setdefault(key, jnp.asarray(value))
+    hyper = [s.hyperparams for s in _compat.hyperparam_states(opt_state)]
+    rates = [h["learning_rate"] for h in hyper if "learning_rate" in h]
+    if rates and "learning_rate" not in out:
         # optax keeps it in the params' dtype (or as given: an int): report float32
         out["learning_rate"] = jnp.asarray(rates[0]).astype(jnp.float32)
     return out
@@ -186,7 +151,17 @@ def nonfinite_leaves(opt_state: optax.OptState, params: Any) -> list[str]:
     return [n for n, bad in zip(names, flags) if bad]
 
 
-def _first(tree: Any, classes: type | tuple[type, ...]) -> Any:
-    """The first node of ``tree``, in tree order, that is an instance of ``classes``; or None."""
-    found = _tree.find(tree, classes)
-    return found[0][1] if found else None
+def _reports(node: Any) -> bool:
+    """Whether ``node``'s class defines the ``metrics`` method of the protocol."""
+    return inspect.isfunction(getattr(type(node), "metrics", None))
+
+
+def _reporting(tree: Any) -> list[Any]:
+    """Every node of ``tree`` that reports metrics, in tree order: a wrapper's state before
+    the states inside it, an earlier element of a chain before a later one."""
+    found = [tree] if _reports(tree) else []
+    inside = jax.tree.leaves(tree, is_leaf=lambda x: x is not tree and _reports(x))
+    for node in inside:
+        if _reports(node):
+            found += _reporting(node)
+    return found

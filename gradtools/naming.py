@@ -12,64 +12,13 @@ pairs; a parameter takes the value of the first rule whose regex
 
 from __future__ import annotations
 
-import re
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 from gradtools import _name_checks
+from gradtools import _paths
 
 __all__ = ["decay_mask", "label_params", "path_names"]
-
-Rules = list[tuple[re.Pattern[str], Any]]
-
-
-# -- names ---------------------------------------------------------------------------------------
-
-
-def _is_variable(x: Any) -> bool:
-    """Whether ``x`` is a Flax ``nnx.Variable`` (one leaf, whatever its insides)."""
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Variable)
-
-
-_BOXED = jax.tree_util.GetAttrKey("value")
-
-
-def _unboxed(paths: list[tuple[Any, ...]], tree: Any) -> list[tuple[Any, ...]]:
-    """``paths`` without the ``value`` field of each Flax metadata box on them.
-
-    ``nn.with_partitioning`` wraps a param in a box (``nn.Partitioned``,
-    ``nn.LogicallyPartitioned``) whose array is its field ``value``: the kernel
-    is named ``params/Dense_0/kernel``, not ``params/Dense_0/kernel/value``, as
-    it is without partitioning.
-    """
-    meta = sys.modules.get("flax.core.meta")
-    if meta is None:  # no box without flax.core.meta
-        return paths
-    box = meta.AxisMetadata
-    found = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, box))
-    boxes = {path for path, x in found if isinstance(x, box)}
-    return [
-        tuple(k for n, k in enumerate(path) if not (k == _BOXED and path[:n] in boxes))
-        for path in paths
-    ]
-
-
-def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """Path names, leaves (``nnx.Variable``s whole) and treedef of ``tree``."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
-    paths = _unboxed([path for path, _ in pairs], tree)
-    names = [jax.tree_util.keystr(path, simple=True, separator="/") for path in paths]
-    return names, [leaf for _, leaf in pairs], treedef
-
-
-def _array(leaf: Any) -> Any:
-    """The array (or ShapeDtypeStruct) a leaf holds."""
-    return jax.tree.leaves(leaf)[0] if _is_variable(leaf) else leaf
 
 
 def path_names(params: Any) -> Any:
@@ -90,36 +39,8 @@ def path_names(params: Any) -> Any:
       >>> jax.tree.leaves(names)
       ['heads/0', 'heads/1/0', 'heads/1/1', 'params/conv1/bias', 'params/conv1/kernel']
     """
-    names, _, treedef = _flatten(params)
+    names, _, treedef = _paths.flatten(params)
     return treedef.unflatten(names)
-
-
-# -- rules ---------------------------------------------------------------------------------------
-
-
-def _parse_rules(rules: Any, arg: str = "rules") -> Rules:
-    if isinstance(rules, (str, dict)) or not isinstance(rules, Sequence):
-        raise TypeError(f"{arg}={rules!r} must be a sequence of (regex, value) pairs")
-    parsed = []
-    for i, rule in enumerate(rules):
-        if not isinstance(rule, (tuple, list)) or len(rule) != 2:
-            raise TypeError(f"{arg}[{i}]={rule!r} must be a (regex, value) pair")
-        parsed.append((_name_checks.regex(f"{arg}[{i}][0]", rule[0]), rule[1]))
-    return parsed
-
-
-def _assign(names: list[str], rules: Rules, has_default: bool, caller: str) -> list[int]:
-    """For each name, the index of its first matching rule (``len(rules)``: default).
-
-    Raises:
-      ValueError: if a rule takes no parameter, or a parameter matches no rule
-        while there is no default (:func:`gradtools._name_checks.rules_match`).
-    """
-    index = [
-        next((i for i, (rx, _) in enumerate(rules) if rx.search(n)), len(rules)) for n in names
-    ]
-    _name_checks.rules_match(caller, names, rules, index, has_default)
-    return index
 
 
 def label_params(params: Any, rules: Sequence[tuple[str, Any]], default: Any = None) -> Any:
@@ -151,25 +72,14 @@ def label_params(params: Any, rules: Sequence[tuple[str, Any]], default: Any = N
       {'conv': {'bias': 'no_decay', 'kernel': 'conv'}, 'fc': 'rest'}
     """
     _name_checks.param_tree("label_params", params)
-    parsed = _parse_rules(rules)
-    names, _, treedef = _flatten(params)
-    index = _assign(names, parsed, default is not None, "label_params")
+    parsed = _paths.parse_rules(rules)
+    names, _, treedef = _paths.flatten(params)
+    index = _paths.assign(names, parsed, default is not None, "label_params")
     values = [value for _, value in parsed] + [default]
     return treedef.unflatten([values[i] for i in index])
 
 
-# -- helpers for weight decay and inspection -----------------------------------------------------
-
 _NO_DECAY_NAMES = ("bias", "scale")
-
-
-def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], str]:
-    a = _array(leaf)
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
-        a = np.asarray(a)
-    # The dtype JAX computes in: a Python float or a NumPy float64 array is
-    # float32 inside a jitted step unless x64 is on.
-    return tuple(a.shape), np.dtype(jax.dtypes.canonicalize_dtype(a.dtype)).name
 
 
 def decay_mask(params: Any) -> Any:
@@ -213,10 +123,10 @@ def decay_mask(params: Any) -> Any:
       LayerNorm weights" rule of BERT's and timm's optimizers.
     """
     _name_checks.param_tree("decay_mask", params)
-    names, leaves, treedef = _flatten(params)
+    names, leaves, treedef = _paths.flatten(params)
     return treedef.unflatten(
         [
-            n.rsplit("/", 1)[-1] not in _NO_DECAY_NAMES and len(_shape_dtype(x)[0]) >= 2
+            n.rsplit("/", 1)[-1] not in _NO_DECAY_NAMES and len(_paths.shape_dtype(x)[0]) >= 2
             for n, x in zip(names, leaves)
         ]
     )

@@ -12,6 +12,7 @@ from typing import Any
 from flax import nnx
 
 from gradtools import _checks
+from gradtools import _compat
 from gradtools import _fp8
 from gradtools.training import apply_gradients
 
@@ -87,14 +88,14 @@ class Optimizer(nnx.Optimizer):
         where ``grads`` hold fp8 meta (as :func:`gradtools.apply_gradients` takes them)."""
         if not meta:
             return params, grads
-        selected = nnx.state(nnx.state(model, self.wrt, **graph), _fp8.is_meta)
+        selected = nnx.state(nnx.state(model, self.wrt, **graph), _compat.is_fp8_meta)
         if selected:
             raise ValueError(
-                f"Optimizer: wrt={self.wrt!r} selects fp8 meta ({_fp8.OVERWRITE!r} variables), "
+                f"Optimizer: wrt={self.wrt!r} selects fp8 meta ({_compat.FP8_META!r} variables), "
                 "so the optimizer state was built for them. tx steps on the params only and "
                 "the meta takes its gradients' values: build Optimizer(model, tx, wrt=nnx.Param)"
             )
-        old = _arrays(nnx.state(model, _fp8.is_meta, **graph))
+        old = _arrays(nnx.state(model, _compat.is_fp8_meta, **graph))
         return _fp8.merge({}, params, old), _fp8.merge({}, grads, _arrays(meta))
 
     def update(  # type: ignore[override]
@@ -130,7 +131,7 @@ class Optimizer(nnx.Optimizer):
             model,
             _arrays(nnx.state(model, self.wrt, **graph)),
             _arrays(nnx.state(grads, self.wrt, **graph)),
-            nnx.state(grads, _fp8.is_meta, **graph),
+            nnx.state(grads, _compat.is_fp8_meta, **graph),
             graph,
         )
         params, opt_state = apply_gradients(

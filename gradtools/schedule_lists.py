@@ -17,10 +17,7 @@ import numpy as np
 import optax
 
 from gradtools import _checks
-
-
-def _f32(x: Any) -> jax.Array:
-    return jnp.asarray(x).astype(jnp.float32)
+from gradtools import _tree
 
 
 def _is_schedule(name: str, value: Any) -> None:
@@ -68,9 +65,9 @@ def with_warmup(
 
     def out(step):
         step = jnp.asarray(step)
-        frac = _f32(jnp.minimum(step, warmup_steps)) / warmup_steps
-        rising = init_value + (_f32(schedule(0)) - init_value) * frac
-        after = _f32(schedule(jnp.maximum(step - warmup_steps, 0)))
+        frac = _tree.f32(jnp.minimum(step, warmup_steps)) / warmup_steps
+        rising = init_value + (_tree.f32(schedule(0)) - init_value) * frac
+        after = _tree.f32(schedule(jnp.maximum(step - warmup_steps, 0)))
         return jnp.where(step < warmup_steps, rising, after).astype(jnp.float32)
 
     return out
@@ -106,7 +103,7 @@ def per_epoch(schedule: optax.Schedule, steps_per_epoch: int) -> optax.Schedule:
     _checks.positive_int("steps_per_epoch", steps_per_epoch)
 
     def out(step):
-        return _f32(schedule(jnp.asarray(step) // steps_per_epoch))
+        return _tree.f32(schedule(jnp.asarray(step) // steps_per_epoch))
 
     return out
 

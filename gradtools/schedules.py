@@ -52,7 +52,7 @@ import numpy as np
 import optax
 
 from gradtools import _checks
-from gradtools.schedule_lists import _f32
+from gradtools import _tree
 from gradtools.schedule_lists import from_list
 from gradtools.schedule_lists import per_epoch
 from gradtools.schedule_lists import to_list
@@ -84,8 +84,8 @@ def _progress(step: Any, decay_steps: Any, staircase: bool) -> jax.Array:
     """``step / decay_steps`` in float32, floored with ``staircase``."""
     step = jnp.asarray(step)
     if staircase:
-        return _f32(step // decay_steps)
-    return _f32(step) / decay_steps
+        return _tree.f32(step // decay_steps)
+    return _tree.f32(step) / decay_steps
 
 
 def piecewise_constant(milestones: Sequence[int], values: Sequence[float]) -> optax.Schedule:
@@ -171,7 +171,9 @@ def exponential_decay(
     log_rate = jnp.log(decay_rate) if _checks.traced(decay_rate) else math.log(decay_rate)
 
     def schedule(step):
-        return _f32(learning_rate * jnp.exp(log_rate * _progress(step, decay_steps, staircase)))
+        return _tree.f32(
+            learning_rate * jnp.exp(log_rate * _progress(step, decay_steps, staircase))
+        )
 
     return schedule
 
@@ -213,8 +215,8 @@ def natural_exp_decay(
 
     def schedule(step):
         step = jnp.asarray(step)
-        p = _f32((step // decay_steps) * decay_steps if staircase else step)
-        return _f32(learning_rate * jnp.exp(-decay_rate * p))
+        p = _tree.f32((step // decay_steps) * decay_steps if staircase else step)
+        return _tree.f32(learning_rate * jnp.exp(-decay_rate * p))
 
     return schedule
 
@@ -251,7 +253,9 @@ def inverse_time_decay(
     _check_decay(learning_rate, decay_rate, decay_steps, staircase)
 
     def schedule(step):
-        return _f32(learning_rate / (1.0 + decay_rate * _progress(step, decay_steps, staircase)))
+        return _tree.f32(
+            learning_rate / (1.0 + decay_rate * _progress(step, decay_steps, staircase))
+        )
 
     return schedule
 
@@ -293,8 +297,8 @@ def cosine_decay(min_lr: float, max_lr: float, decay_steps: int) -> optax.Schedu
         raise ValueError(f"{min_lr=} must be < {max_lr=}")
 
     def schedule(step):
-        left = _f32(decay_steps - jnp.minimum(jnp.asarray(step), decay_steps)) / decay_steps
-        return _f32(min_lr + (max_lr - min_lr) * jnp.sin(0.5 * math.pi * left) ** 2)
+        left = _tree.f32(decay_steps - jnp.minimum(jnp.asarray(step), decay_steps)) / decay_steps
+        return _tree.f32(min_lr + (max_lr - min_lr) * jnp.sin(0.5 * math.pi * left) ** 2)
 
     return schedule
 
@@ -350,11 +354,11 @@ def polynomial_decay(
             # d = decay_steps * max(ceil(step / decay_steps), 1), through d - step,
             # which cannot overflow int32 as d can near 2**31
             gap = jnp.where(step > 0, (-step) % decay_steps, decay_steps - step)
-            left = _f32(gap) / (_f32(step) + _f32(gap))
+            left = _tree.f32(gap) / (_tree.f32(step) + _tree.f32(gap))
         else:
             step = jnp.minimum(step, decay_steps)
-            left = _f32(decay_steps - step) / _f32(decay_steps)
-        return _f32((learning_rate - end_learning_rate) * left**power + end_learning_rate)
+            left = _tree.f32(decay_steps - step) / _tree.f32(decay_steps)
+        return _tree.f32((learning_rate - end_learning_rate) * left**power + end_learning_rate)
 
     return schedule
 
@@ -390,6 +394,8 @@ def warmup(learning_rate: float, warmup_steps: int) -> optax.Schedule:
     _checks.positive_int("warmup_steps", warmup_steps)
 
     def schedule(step):
-        return _f32(learning_rate * (_f32(jnp.minimum(step, warmup_steps)) / warmup_steps))
+        return _tree.f32(
+            learning_rate * (_tree.f32(jnp.minimum(step, warmup_steps)) / warmup_steps)
+        )
 
     return schedule

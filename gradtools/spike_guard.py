@@ -23,11 +23,9 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _norms
+from gradtools import _square_sums
 from gradtools import _tree
-from gradtools import _tuning
-from gradtools.clipping import _global_norm
-from gradtools.clipping import _known
-from gradtools.clipping import _norm_type
 
 __all__ = ["SpikeGuardState", "spike_guard"]
 
@@ -54,6 +52,17 @@ class SpikeGuardState(NamedTuple):
     norm_count: jax.Array  # shape=(), dtype=int32
     inner_state: optax.OptState
 
+    takes_square_sums = True  # from a loss scaler right outside (_square_sums)
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """What :func:`gradtools.metrics` reports of this state."""
+        return {
+            "grad_norm": jnp.asarray(self.guard_norm),
+            "spikes": jnp.asarray(self.spikes),
+            "norm_mean": jnp.asarray(self.norm_mean),
+            "norm_std": jnp.sqrt(jnp.asarray(self.norm_var)),
+        }
+
 
 def _observe(state: SpikeGuardState, norm: jax.Array, decay: Any) -> tuple[jax.Array, jax.Array]:
     """The mean and variance with ``norm`` entered: an exponential average, bias-corrected."""
@@ -65,19 +74,13 @@ def _observe(state: SpikeGuardState, norm: jax.Array, decay: Any) -> tuple[jax.A
     return state.norm_mean + w * delta, (1 - w) * (state.norm_var + w * delta * delta)
 
 
-def _norm(grads: Any, p: Any, shared: bool, extra_args: dict[str, Any]) -> tuple[jax.Array, Any]:
-    """``(norm, sums)``: the global norm, and for a shared L2 norm each leaf's sum of squares."""
+def _norm(grads: Any, p: Any, shared: bool, given: Any) -> tuple[jax.Array, Any]:
+    """``(norm, sums)``: the global norm, and for a shared L2 norm each leaf's sum of squares
+    (``given``, where a loss scaler right outside offered them)."""
     if not (shared and jax.tree.leaves(grads)):
-        return _global_norm(grads, p), None
-    sums = _known(grads, *extra_args.get("square_sums", ([], [])))
-    return jnp.sqrt(jnp.sum(_tuning.stack_scalars(sums))), sums
-
-
-def _sharing(extra_args: dict[str, Any], grads: Any, sums: Any) -> dict[str, Any]:
-    """``extra_args`` with ``sums``, the sums of squares of ``grads``, as ``square_sums``."""
-    if sums is None:
-        return extra_args
-    return {**extra_args, "square_sums": (jax.tree.leaves(grads), sums)}
+        return _norms.tree_norm(grads, p), None
+    sums = _norms.square_sums(jax.tree.leaves(grads)) if given is None else given
+    return _norms.l2_norm(sums), sums
 
 
 def _clip(
@@ -90,13 +93,13 @@ def _clip(
     if sums is not None:  # the sums of the clipped grads, read again only on a spike
         rescaled = lax.cond(
             spike,
-            lambda g, f: _known(_tree.scale_f32(g, f), [], []),
+            lambda g, f: _norms.square_sums(jax.tree.leaves(_tree.scale_f32(g, f))),
             lambda g, f: sums,
             grads,
             factor,
         )
-    extra = _sharing(extra_args, clipped, rescaled)
-    out, new_inner_state = _apply.step(inner, clipped, inner_state, params, extra, fused)
+    offered = _square_sums.offer(inner, inner_state, rescaled)
+    out, new_inner_state = _apply.step(inner, clipped, offered, params, extra_args, fused)
     return out, new_inner_state, jnp.where(spike, limit, norm), jnp.isfinite(norm)
 
 
@@ -106,8 +109,8 @@ def _skip(
     """Drops a spike, ``inner`` untouched: ``(out, inner_state, used_norm, enters)``."""
 
     def run(grads):
-        extra = _sharing(extra_args, grads, sums)
-        return _apply.step(inner, grads, inner_state, params, extra, fused)
+        offered = _square_sums.offer(inner, inner_state, sums)
+        return _apply.step(inner, grads, offered, params, extra_args, fused)
 
     out, new_inner_state = _apply.step_or_skip(~spike, run, grads, fused, params, inner_state)
     return out, new_inner_state, norm, jnp.isfinite(norm) & ~spike
@@ -156,8 +159,9 @@ def spike_guard(
     out of the statistics. Other steps reach ``inner`` bit for bit. Through
     :func:`gradtools.apply_gradients` a skipped spike leaves the params as they
     were. An L2 norm is one read of the gradients, shared with a
-    :func:`gradtools.clip_by_global_norm` right inside (and taken from a loss
-    scaler right outside), as the extra argument ``square_sums``.
+    :func:`gradtools.clip_by_global_norm` right inside (the wrapped
+    transformation, or first in an ``optax.chain`` that is), and taken from a
+    loss scaler right outside.
 
     Args:
       inner: the optimizer (any ``optax.GradientTransformation``) to guard.
@@ -197,7 +201,7 @@ def spike_guard(
     _checks.in_open_interval("decay", decay, 0.0, 1.0)
     _checks.non_negative_int("warmup_steps", warmup_steps)
     _checks.one_of("action", action, _ACTIONS)
-    p = _norm_type(norm_type)
+    p = _norms.norm_type(norm_type)
     shared = isinstance(p, float) and p == 2  # the sums of squares go with the grads
     inner = optax.with_extra_args_support(inner)
 
@@ -212,10 +216,11 @@ def spike_guard(
         )
 
     def step(grads, state, params, extra_args, fused):
+        state, given = _square_sums.take(state, grads)
         _checks.state_of("spike_guard", state, SpikeGuardState)
         _checks.real_leaves("spike_guard", "updates", grads)
         _checks.check_like("spike_guard", grads, params)
-        norm, sums = _norm(grads, p, shared, extra_args)
+        norm, sums = _norm(grads, p, shared, given)
         limit = state.norm_mean + jnp.asarray(z_threshold, jnp.float32) * jnp.sqrt(state.norm_var)
         warm = state.norm_count >= jnp.maximum(warmup_steps, 1)
         spike = jnp.isfinite(norm) & warm & (norm > limit)

@@ -16,6 +16,7 @@ from jax import lax
 
 from gradtools import _apply
 from gradtools import _checks
+from gradtools import _compat
 from gradtools import _fp8
 from gradtools import _step_checks
 from gradtools import _tree
@@ -42,20 +43,19 @@ def apply_gradients(
       updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
       params = optax.apply_updates(params, updates)
 
-    Which form runs is decided by ``tx`` itself: a gradtools wrapper
-    (:func:`gradtools.dynamic_loss_scale`, :func:`gradtools.fixed_loss_scale`,
-    :func:`gradtools.accumulate`, :func:`gradtools.spike_guard`,
-    :func:`gradtools.freeze`, :func:`gradtools.param_groups`, one inside the
-    other too) carries an update-and-apply form in its ``update``, and then
-    the params are updated inside the branch that runs the optimizer: the
-    updates never leave it, so XLA needs no parameter-sized buffer for them,
-    and a step that runs no optimizer (a skipped step, a micro-step, a frozen
-    group) returns the params as they were. Any other ``tx`` (an
-    ``optax.chain``, ``optax.inject_hyperparams`` or a wrapper of your own,
-    even around a gradtools wrapper) runs the two lines above. The new state is
-    the one ``tx.update`` returns, but for an accumulation buffer between
-    windows: ``tx.update`` clears it, this leaves the closed window's sum
-    there, which the next micro-step replaces. :func:`train_step` and
+    Which form runs is decided by ``tx`` itself: every gradtools wrapper (a
+    transformation that wraps an optimizer, such as
+    :func:`gradtools.dynamic_loss_scale` or :func:`gradtools.accumulate`, one
+    inside the other too) carries an update-and-apply form in its ``update``,
+    and then the params are updated inside the branch that runs the
+    optimizer: the updates never leave it, so XLA needs no parameter-sized
+    buffer for them, and a step that runs no optimizer (a skipped step, a
+    micro-step, a frozen group) returns the params as they were. Any other
+    ``tx`` (an ``optax.chain`` or ``optax.inject_hyperparams``, even around a
+    gradtools wrapper) runs the two lines above. The new state is the one
+    ``tx.update`` returns, but for an accumulation buffer between windows:
+    ``tx.update`` clears it, this leaves the closed window's sum there, which
+    the next micro-step replaces. :func:`train_step` and
     :class:`gradtools.TrainState` call this.
 
     **fp8 meta.** Where ``params`` are flax variables holding the scales and
@@ -311,7 +311,7 @@ def _apply_or_explain(tx, grads, opt_state, params, extra, update_kwargs):
         # The update that refuses ``value`` may sit anywhere inside ``tx`` (a chain
         # hands every extra argument to every member), so its own error is the only
         # place that says which argument it refused.
-        if "value" in (update_kwargs or {}) or "'value'" not in str(err):
+        if "value" in (update_kwargs or {}) or not _compat.refused_keyword(err, "value"):
             raise
         raise TypeError(
             f"train_step: {err}. The step hands tx.update the loss as value=, as optax"

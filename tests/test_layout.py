@@ -73,3 +73,55 @@ def test_the_length_count_sees_nested_functions():
     tree = ast.parse(source)
     outer = tree.body[0]
     assert _code_lines(source.splitlines(), outer, _docstring_lines(tree)) == 52
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _foreign_private_names(source: str) -> set[str]:
+    """The underscore names ``source`` takes from other gradtools modules: imported by name
+    (``from gradtools.x import _y``), or read off an imported module (``_x._y``, ``x._y``)."""
+    tree = ast.parse(source)
+    modules, found = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradtools"):
+            for alias in node.names:
+                if node.module == "gradtools":
+                    modules.add(alias.asname or alias.name)  # from gradtools import _tree
+                elif _private(alias.name):
+                    found.add(f"{node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in modules and _private(node.attr):
+                found.add(f"{node.value.id}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_no_underscore_name_is_taken_from_another_module(path):
+    """What modules share has a name without an underscore, in a module of its own if need be."""
+    assert not _foreign_private_names(path.read_text())
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_no_array_is_matched_by_identity(path):
+    calls = [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "id"
+    ]
+    assert not calls, f"id() at lines {calls}"
+
+
+def test_the_private_name_check_sees_both_forms():
+    source = (
+        "from gradtools import _tree, clipping\n"
+        "from gradtools.naming import _flatten, path_names\n"
+        "_tree.find(x)\nclipping._known(y)\n_tree._private(z)\n"
+    )
+    assert _foreign_private_names(source) == {
+        "gradtools.naming._flatten",
+        "clipping._known",
+        "_tree._private",
+    }

@@ -567,7 +567,8 @@ def test_skip_is_decided_on_the_unscaled_grads_as_numpy_does(dtype, value, clip)
 def test_loss_scaled_clip_reads_each_gradient_once(array_reductions):
     """The scaler's finiteness pass also sums the squares that a clip right inside it needs.
 
-    Behind another transform the clip receives other arrays and reads them itself.
+    Behind another transform the clip receives other arrays and reads them itself; behind
+    ``group_norms``, which returns its updates unchanged, it takes the sums too.
     (float32 params: with half-precision ones the scaler also checks what it writes.)
     """
     params = {
@@ -587,6 +588,15 @@ def test_loss_scaled_clip_reads_each_gradient_once(array_reductions):
     assert reductions() == 2
     assert reductions(gradtools.clip_by_global_norm(1.0)) == 2
     assert reductions(optax.scale(0.5), gradtools.clip_by_global_norm(1.0)) == 4
+    # group_norms returns the updates it was given, so the clip after it gets them too
+    norms = gradtools.group_norms([(r"w", "w")])
+    assert reductions(norms, gradtools.clip_by_global_norm(1.0)) == 2
+    # the GPT demo's shape: the guard after the norms takes the sums, as it does alone (its
+    # clip recomputes them in the branch of a spike only)
+    guarded = gradtools.spike_guard(optax.chain(gradtools.clip_by_global_norm(1.0), optax.sgd(1.0)))
+    assert reductions(norms, guarded) == reductions(guarded) == 4
+    # a clip second in a nested chain cannot be known to see the scaler's arrays: it reads
+    assert reductions(norms, optax.chain(gradtools.clip_by_global_norm(1.0))) == 4
 
 
 def test_all_finite():
