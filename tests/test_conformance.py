@@ -1,17 +1,17 @@
 """Every public transform against the rules every transform keeps (docs/internals.md).
 
-One table, ``TRANSFORMS``, lists each public transform as ``(id, factory,
-kwargs)``; every check below runs on every row. Each check compares real
-values with a reference run of the same row (jitted, unsharded, unserialized,
-on the standard tree), so a transform that breaks a rule fails its row. The
-per-transform behaviour itself is tested against NumPy in ``test_<module>.py``.
+The table, ``TRANSFORMS`` in ``tests/transforms.py``, lists each public
+transform, ``factory(**kwargs)``, in one or more rows; every check below runs on
+every row. Each check compares real values with a reference run of the same row
+(jitted, unsharded, unserialized, on the standard tree), so a transform that
+breaks a rule fails its row. The per-transform behaviour itself is tested
+against NumPy in ``test_<module>.py``.
 
 The standard tree mixes float32, bfloat16 and float16 leaves with ``None`` and
 empty subtrees, and every leaf can be laid out on a 2x2 mesh of CPU devices.
 """
 
 import functools
-import inspect
 
 import chex
 import flax.serialization
@@ -24,97 +24,11 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from transforms import ROWS
 
 import gradtools
-from gradtools import schedules
 
-
-def sgd_warmup_exponential_decay(learning_rate, decay_rate, decay_steps, warmup_steps):
-    """``optax.sgd`` with momentum, driven by a warmed-up exponential decay."""
-    schedule = schedules.exponential_decay(learning_rate, decay_rate, decay_steps, staircase=True)
-    return optax.sgd(schedules.with_warmup(schedule, warmup_steps), momentum=0.9)
-
-
-def one_then_two(windows_closed):
-    """A scheduled ``every_k``: a window of 1 micro-batch, then windows of 2."""
-    return jnp.where(windows_closed < 1, 1, 2)
-
-
-GROUP_RULES = [(r"^dense/", optax.sgd(0.1, momentum=0.9)), (r"^head", gradtools.frozen())]
-GUARDED_CLIP = optax.chain(gradtools.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
-NORM_GROUPS = [(r"^dense/", "dense"), (r"^emb", "emb")]  # head: "other"
-
-# (id, factory, kwargs): factory(**kwargs) is the transform under test.
-TRANSFORMS = [
-    (
-        "dynamic_loss_scale",
-        gradtools.dynamic_loss_scale,
-        dict(inner=optax.adam(0.1), init_scale=4.0, growth_interval=2),
-    ),
-    (
-        "fixed_loss_scale",
-        gradtools.fixed_loss_scale,
-        dict(inner=optax.sgd(0.1, momentum=0.9), scale=8.0),
-    ),
-    (
-        "fixed_loss_scale_always_apply",
-        gradtools.fixed_loss_scale,
-        dict(inner=optax.sgd(0.1), scale=2.0, skip_nonfinite=False),
-    ),
-    (
-        "accumulate",
-        gradtools.accumulate,
-        dict(inner=optax.adam(0.1), every_k=2),
-    ),
-    (
-        "accumulate_skip_microstep",
-        gradtools.accumulate,
-        dict(inner=optax.sgd(0.1), every_k=3, average=False, on_nonfinite="skip_microstep"),
-    ),
-    (
-        "accumulate_scheduled",
-        gradtools.accumulate,
-        dict(inner=optax.sgd(0.1, momentum=0.9), every_k=one_then_two),
-    ),
-    (
-        "accumulate_noise_scale",
-        gradtools.accumulate,
-        dict(inner=optax.adam(0.1), every_k=2, noise_scale=True),
-    ),
-    ("clip_by_global_norm", gradtools.clip_by_global_norm, dict(max_norm=1.0)),
-    ("param_groups", gradtools.param_groups, dict(rules=GROUP_RULES, default=optax.adam(0.1))),
-    ("freeze", gradtools.freeze, dict(inner=optax.sgd(0.1, momentum=0.9), patterns=r"^dense/bias")),
-    ("frozen", gradtools.frozen, dict()),
-    (
-        "spike_guard",  # warmed up after one step: the 2nd and 3rd are clipped spikes
-        gradtools.spike_guard,
-        dict(inner=optax.adam(0.1), z_threshold=0.5, warmup_steps=1),
-    ),
-    (
-        "spike_guard_skip",  # the 3rd step is a skipped spike
-        gradtools.spike_guard,
-        dict(inner=GUARDED_CLIP, action="skip", warmup_steps=2),
-    ),
-    ("group_norms", gradtools.group_norms, dict(rules=NORM_GROUPS)),
-    ("stochastic_rounding", gradtools.stochastic_rounding, dict(seed=3)),
-    (
-        "sgd_warmup_exponential_decay",
-        sgd_warmup_exponential_decay,
-        dict(learning_rate=0.1, decay_rate=0.5, decay_steps=1, warmup_steps=1),
-    ),
-]
-ROWS = {row[0]: row for row in TRANSFORMS}
 IDS = list(ROWS)
-
-# The one exception to "updates keep the params' dtypes": stochastic_rounding's
-# updates of bfloat16 and float16 params are float32, so that optax.apply_updates
-# (a float32 sum, cast back) lands exactly on the rounded value, which an update in
-# the param's own dtype cannot always hold (its docstring).
-FLOAT32_UPDATES = {"stochastic_rounding"}
-
-# Arguments that fix the structure of the state (every_k), or are callables that
-# inject_hyperparams would take for schedules (dtype=jnp.float32): static there.
-STATIC_ARGS = ("every_k", "dtype")
 
 # name: (shape, dtype, layout on the 2x2 mesh)
 LEAVES = {
@@ -156,8 +70,8 @@ def params_and_grads(**kw):
 @functools.cache
 def build(row_id):
     """One transform per row, so that the jitted functions below are shared."""
-    _, factory, kwargs = ROWS[row_id]
-    return factory(**kwargs)
+    row = ROWS[row_id]
+    return row.factory(**row.kwargs)
 
 
 def step_fn(tx, traces=None):
@@ -234,20 +148,6 @@ def assert_same(actual, expected, *, exact=True):
         )
 
 
-def test_table_lists_every_public_transform():
-    factories = {factory for _, factory, _ in TRANSFORMS}
-    # Every public function whose return annotation is a GradientTransformation.
-    public = {
-        f
-        for f in (getattr(gradtools, name) for name in gradtools.__all__)
-        if inspect.isfunction(f)
-        and "GradientTransformation" in str(inspect.signature(f).return_annotation)
-    }
-    assert len(public) >= 7 and gradtools.frozen in public  # the scan finds them
-    assert public <= factories
-    assert len(IDS) == len(TRANSFORMS)
-
-
 @pytest.mark.parametrize("row_id", IDS)
 def test_jit_matches_op_by_op(row_id):
     """The jitted steps give what running the same code op by op gives."""
@@ -271,7 +171,7 @@ def test_mixed_dtypes_are_kept_and_match_float32(row_id):
     params0, grads = params_and_grads()
     assert dtypes(params) == dtypes(params0)
     want = dtypes(params0)
-    if row_id in FLOAT32_UPDATES:
+    if ROWS[row_id].float32_updates:  # stochastic_rounding (tests/transforms.py)
         want = jax.tree.map(lambda d: jnp.promote_types(d, jnp.float32), want)
         assert want != dtypes(params0)  # the standard tree has half-precision leaves
     assert all(dtypes(u) == want for u in updates)
@@ -328,9 +228,8 @@ def test_composes_inside_chain(row_id):
 
 @pytest.mark.parametrize("row_id", IDS)
 def test_composes_inside_inject_hyperparams(row_id):
-    _, factory, kwargs = ROWS[row_id]
-    static = [name for name in STATIC_ARGS if name in inspect.signature(factory).parameters]
-    tx = optax.inject_hyperparams(factory, static_args=static)(**kwargs)
+    row = ROWS[row_id]
+    tx = optax.inject_hyperparams(row.factory, static_args=row.static_args)(**row.kwargs)
     params, grads = params_and_grads()
     got, _, state, updates = run(jax.jit(step_fn(tx)), tx, params, grads)
     (want, _, want_state, want_updates), _ = reference(row_id)

@@ -1,9 +1,9 @@
-"""The contract every public transform keeps, as one table (docs/internals.md, "Adding a wrapper").
+"""The contract every gradtools transform keeps (docs/internals.md, "Adding a wrapper").
 
-Each row of ``CONTRACTS`` is one transform, with what the checks below need
-to know about it: whether it takes ``params``, which int32 counters its state
-keeps (and what input advances each), and which of its hyperparameters are
-floats. Every transform must:
+The rows are those of ``TRANSFORMS`` in ``tests/transforms.py`` with
+``contract=True``; each says whether the transform takes ``params``, which
+int32 counters its state keeps (and what input advances each), and which of
+its hyperparameters are floats. Every transform must:
 
 - refuse a state that is not its own with a ``ValueError`` or ``TypeError``
   naming the transform and ``init``, eagerly and under ``jax.jit``;
@@ -12,189 +12,40 @@ floats. Every transform must:
 - keep every int32 counter saturating at ``2**31 - 1``;
 - refuse NumPy complex values for every float hyperparameter, naming it.
 
-A new transform joins by adding a row.
+A new transform joins by adding one row to that table.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
+import pathlib
 import re
-from collections.abc import Callable
-from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from transforms import ROWS
+from transforms import TRANSFORMS
+from transforms import skip_small
 
 import gradtools
-from gradtools import _apply
-from gradtools import _checks
 
 MAX = 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Counter:
-    """An int32 counter of a state: ``field`` (dotted for a nested state), advanced by
-    ``update`` with gradients of kind ``grads`` ('finite', 'nonfinite', 'overflow'),
-    from a state with the fields ``preset`` set first, and ``extra`` passed to it."""
-
-    field: str
-    grads: str = "finite"
-    preset: tuple[tuple[str, Any], ...] = ()
-    extra: tuple[tuple[str, Any], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Contract:
-    """A row: ``factory(**kwargs)`` is the transform under test."""
-
-    id: str
-    factory: Callable[..., optax.GradientTransformation]
-    kwargs: dict[str, Any]
-    takes_params: bool = True
-    counters: tuple[Counter, ...] = ()
-    floats: tuple[str, ...] = ()
-
-
-def every_2_then_4(windows_closed):
-    return jnp.where(windows_closed < 1, 2, 4)
-
-
-class SkipSmallState(NamedTuple):
-    skipped: jax.Array  # shape=(), dtype=int32
-    inner_state: optax.OptState
-
-
-def skip_small(inner, *, threshold: float = 0.0):
-    """The template of docs/internals.md ("Adding a wrapper"), as written there."""
-    _checks.is_transform("inner", inner)
-    _checks.finite_non_negative("threshold", threshold)
-    inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params):
-        return SkipSmallState(jnp.zeros([], jnp.int32), inner.init(params))
-
-    def step(grads, state, params, extra_args, fused):
-        _checks.state_of("skip_small", state, SkipSmallState)
-        _checks.real_leaves("skip_small", "updates", grads)
-        _checks.check_like("skip_small", grads, params)
-        runs = gradtools.global_norm(grads) > threshold
-
-        def do_update(grads):
-            return _apply.step(inner, grads, state.inner_state, params, extra_args, fused)
-
-        out, inner_state = _apply.step_or_skip(
-            runs, do_update, grads, fused, params, state.inner_state
-        )
-        skipped = jnp.where(runs, state.skipped, optax.safe_increment(state.skipped))
-        return out, SkipSmallState(skipped, inner_state)
-
-    return optax.GradientTransformationExtraArgs(init_fn, _apply.Update(step))
-
-
-SGD = optax.sgd(1.0)
-CONTRACTS = [
-    Contract(
-        "dynamic_loss_scale",
-        gradtools.dynamic_loss_scale,
-        dict(inner=SGD, init_scale=1.0),
-        counters=(Counter("skipped_steps", "nonfinite"), Counter("nonfinite_updates", "overflow")),
-        floats=("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"),
-    ),
-    Contract(
-        "fixed_loss_scale",
-        gradtools.fixed_loss_scale,
-        dict(inner=SGD, scale=1.0),
-        counters=(
-            Counter("good_steps"),
-            Counter("skipped_steps", "nonfinite"),
-            Counter("nonfinite_updates", "overflow"),
-        ),
-        floats=("scale",),
-    ),
-    Contract(
-        "accumulate",
-        gradtools.accumulate,
-        dict(inner=SGD, every_k=2, on_nonfinite="skip_microstep", noise_scale=True),
-        counters=(
-            Counter("dropped_micro_steps", "nonfinite"),
-            Counter("noise_stats.window_micro_batches"),
-        ),
-        floats=("noise_scale_decay",),
-    ),
-    Contract(
-        "accumulate_scheduled",
-        gradtools.accumulate,
-        dict(inner=SGD, every_k=every_2_then_4),
-        counters=(Counter("windows_closed", extra=(("flush", True),)),),
-        floats=("noise_scale_decay",),
-    ),
-    Contract(
-        "clip_by_global_norm",
-        gradtools.clip_by_global_norm,
-        dict(max_norm=1.0),
-        takes_params=False,
-        floats=("max_norm", "norm_type"),
-    ),
-    Contract(
-        "spike_guard",
-        gradtools.spike_guard,
-        dict(inner=SGD, warmup_steps=1),
-        counters=(
-            # a spike: the running mean and variance are 0, the count past warm-up
-            Counter("spikes", preset=(("norm_count", 5),)),
-            Counter("norm_count"),
-        ),
-        floats=("z_threshold", "decay", "norm_type"),
-    ),
-    Contract(
-        "spike_guard_skip",
-        gradtools.spike_guard,
-        dict(inner=SGD, warmup_steps=1, action="skip"),
-        counters=(Counter("spikes", preset=(("norm_count", 5),)),),
-        floats=("z_threshold", "decay", "norm_type"),
-    ),
-    Contract("freeze", gradtools.freeze, dict(inner=optax.adam(0.1), patterns=r"^dense/bias")),
-    Contract(
-        "param_groups",
-        gradtools.param_groups,
-        dict(rules=[(r"^dense/", optax.adam(0.1)), (r"^head", gradtools.frozen())]),
-    ),
-    Contract(
-        "group_norms",
-        gradtools.group_norms,
-        dict(rules=[(r"^dense/", "dense")]),
-        floats=("norm_type",),
-    ),
-    Contract("frozen", gradtools.frozen, dict(), takes_params=False),
-    Contract(
-        "stochastic_rounding",
-        gradtools.stochastic_rounding,
-        dict(seed=0),
-        counters=(Counter("rounding_step"),),
-    ),
-    Contract(
-        "skip_small",  # the template of docs/internals.md
-        skip_small,
-        dict(inner=optax.adam(0.1), threshold=100.0),
-        counters=(Counter("skipped"),),
-        floats=("threshold",),
-    ),
-]
-ROWS = {row.id: row for row in CONTRACTS}
+CONTRACTS = [row for row in TRANSFORMS if row.contract]
+IDS = [row.id for row in CONTRACTS]
 COUNTERS = [(row.id, c.field) for row in CONTRACTS for c in row.counters]
 FLOATS = [(row.id, name) for row in CONTRACTS for name in row.floats]
 
 
 def params():
-    """float32 and float16 leaves; the float16 one near its largest value (65504)."""
+    """float32, bfloat16 and float16 leaves, the float16 one near its largest value
+    (65504); their paths are those of ``test_conformance.py``'s standard tree, which
+    every row's kwargs (its rules and patterns) are written for."""
     return {
         "dense": {"kernel": jnp.ones((4, 2)), "bias": jnp.arange(4.0)},
+        "emb": jnp.ones((2, 2), jnp.bfloat16),
         "head": jnp.full((4,), 6e4, jnp.float16),
     }
 
@@ -204,6 +55,7 @@ def grads(kind="finite"):
     ``optax.sgd(1.0)`` overflows the float16 leaf."""
     g = {
         "dense": {"kernel": jnp.full((4, 2), 0.5), "bias": jnp.ones(4)},
+        "emb": jnp.ones((2, 2), jnp.bfloat16),
         "head": jnp.ones(4, jnp.float16),
     }
     if kind == "nonfinite":
@@ -213,9 +65,10 @@ def grads(kind="finite"):
     return g
 
 
-def build(row_id):
+def build(row_id, **kwargs):
+    """The row's transform, with ``kwargs`` replacing the row's."""
     row = ROWS[row_id]
-    return row.factory(**row.kwargs)
+    return row.factory(**{**row.kwargs, **kwargs})
 
 
 def update(tx, g, state, p, jit, **extra):
@@ -224,17 +77,24 @@ def update(tx, g, state, p, jit, **extra):
 
 
 def test_every_public_transform_has_a_row():
+    """Every public transform has a row that both files' checks run on."""
+    # Every public function whose return annotation is a GradientTransformation.
     public = {
         f
         for f in (getattr(gradtools, name) for name in gradtools.__all__)
         if inspect.isfunction(f)
         and "GradientTransformation" in str(inspect.signature(f).return_annotation)
     }
+    assert len(public) >= 7  # the scan finds them
     assert gradtools.spike_guard in public and gradtools.frozen in public
     assert public <= {row.factory for row in CONTRACTS}
 
 
-@pytest.mark.parametrize("row_id", ROWS)
+def test_row_ids_are_unique():
+    assert len(ROWS) == len(TRANSFORMS) == len({row.id for row in TRANSFORMS})
+
+
+@pytest.mark.parametrize("row_id", IDS)
 def test_every_float_hyperparameter_is_listed(row_id):
     """A parameter annotated ``float`` has its place in the row's ``floats``."""
     row = ROWS[row_id]
@@ -248,11 +108,11 @@ def test_every_float_hyperparameter_is_listed(row_id):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("foreign", ["tuple", "adam"])
-@pytest.mark.parametrize("row_id", ROWS)
+@pytest.mark.parametrize("row_id", IDS)
 def test_a_state_not_its_own_is_refused(row_id, foreign, jit):
     tx, p = build(row_id), params()
     state = () if foreign == "tuple" else optax.adam(0.1).init(p)
-    name = row_id.removesuffix("_scheduled").removesuffix("_skip")
+    name = ROWS[row_id].factory.__name__
     with pytest.raises((ValueError, TypeError), match=rf"(?s){name}.*\binit\b"):
         update(tx, grads(), state, p, jit)
 
@@ -270,7 +130,7 @@ def _shapes_differ(tree):
 @pytest.mark.parametrize("row_id", [row.id for row in CONTRACTS if row.takes_params])
 def test_gradients_unlike_params_are_refused(row_id, change, jit):
     tx, p = build(row_id), params()
-    name = row_id.removesuffix("_scheduled").removesuffix("_skip")
+    name = ROWS[row_id].factory.__name__
     with pytest.raises((ValueError, TypeError), match=rf"(?s){name}.*\['dense'\]\['bias'\]"):
         update(tx, change(grads()), tx.init(p), p, jit)
 
@@ -293,7 +153,7 @@ def _get(state, field):
 def test_counters_saturate_at_the_largest_int32(row_id, field):
     row = ROWS[row_id]
     counter = next(c for c in row.counters if c.field == field)
-    tx, p = build(row_id), params()
+    tx, p = build(row_id, **dict(counter.kwargs)), params()
     state = tx.init(p)
     for name, value in counter.preset:
         state = _with(state, name, value)
@@ -319,7 +179,7 @@ def test_the_template_wrapper_skips_small_steps_as_optax_would_not_run_them():
     tx, p = skip_small(optax.adam(0.1), threshold=2.0), params()
     ref, ref_state = optax.adam(0.1), optax.adam(0.1).init(p)
     state = tx.init(p)
-    for g in (grads(), jax.tree.map(lambda x: x * 0, grads()), grads()):  # norms 3.6, 0, 3.6
+    for g in (grads(), jax.tree.map(lambda x: x * 0, grads()), grads()):  # norms 3.7, 0, 3.7
         updates, state = jax.jit(tx.update)(g, state, p)
         big = float(gradtools.global_norm(g)) > 2.0
         want = ref.update(g, ref_state, p)[0] if big else jax.tree.map(jnp.zeros_like, g)
@@ -328,3 +188,35 @@ def test_the_template_wrapper_skips_small_steps_as_optax_would_not_run_them():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, want)
     assert int(state.skipped) == 1
     assert int(state.inner_state[0].count) == 2  # adam stepped twice
+
+
+def test_the_template_wrapper_reports_its_metrics_through_gradtools_metrics():
+    """Its state's ``metrics()`` reaches ``gradtools.metrics``, inside a loss scaler too,
+    with nothing registered in gradtools: the count of skips against a loop that counts."""
+    p = params()
+    tx = gradtools.dynamic_loss_scale(skip_small(optax.sgd(0.1), threshold=2.0), init_scale=1.0)
+    state, skipped, scaler_skips = tx.init(p), 0, 0
+    kinds = ("finite", "small", "nonfinite", "small", "finite")
+    for kind in kinds:
+        g = jax.tree.map(lambda x: x * 0.01, grads()) if kind == "small" else grads(kind)
+        _, state = jax.jit(tx.update)(g, state, p)
+        scaler_skips += kind == "nonfinite"  # the scaler skips it: skip_small never sees it
+        skipped += kind == "small"
+        m = gradtools.metrics(state)
+        assert int(m["skipped_small"]) == skipped
+        assert int(m["skipped_steps"]) == scaler_skips
+    assert skipped == 2 and scaler_skips == 1
+
+
+def _template(text):
+    """From ``class SkipSmallState`` to the end of ``skip_small`` in ``text``."""
+    start = text.index("class SkipSmallState")
+    return text[start : text.index("_apply.Update(step))\n", start)]
+
+
+def test_the_template_wrapper_is_the_one_in_the_docs():
+    """docs/internals.md shows ``skip_small`` as written in tests/transforms.py."""
+    tests = pathlib.Path(__file__).parent
+    docs = _template((tests.parent / "docs" / "internals.md").read_text())
+    code = _template((tests / "transforms.py").read_text())
+    assert code.replace(f'    """{skip_small.__doc__}"""\n', "") == docs
