@@ -1,6 +1,6 @@
 """LeNet-5 training throughput: what the gradtools stack costs, and PyTorch eager beside it.
 
-The JAX side is the demo's model (``gradtools.demo.model.LeNet5``, plain Flax
+The JAX side is the demo's model (``gradtools.demo.lenet.model.LeNet5``, plain Flax
 ``nn.Conv``, ``nn.max_pool`` and ``nn.Dense``), compiled with XLA's default
 options, params and state donated. Two rows measure what gradtools costs:
 the demo's step, ``gradtools.train_step`` of
@@ -50,7 +50,7 @@ def _jax_variants() -> tuple[dict[str, Callable[[int], Callable[[], None]]], lis
     try:
         from benchmarks.lenet_s2d import LeNet5S2D
         from benchmarks.lenet_s2d import compiler_options
-        from gradtools.demo.model import LeNet5
+        from gradtools.demo.lenet.model import LeNet5
     except ImportError:
         return {}, ["gradtools.demo is not in this build: the JAX LeNet rows are skipped"]
 

@@ -1,7 +1,7 @@
 """LeNet-5 with space-to-depth convolutions: a faster variant on XLA:CPU, for the benchmarks.
 
 ``LeNet5S2D`` has the parameters, initial values and logits of the demo's
-:class:`gradtools.demo.model.LeNet5`, but computes each convolution with its
+:class:`gradtools.demo.lenet.model.LeNet5`, but computes each convolution with its
 ReLU and 2x2 max pooling as one :class:`ConvReluPool` layer over 2x2 blocks of
 pixels: LeNet-5's convolutions over 1 and 6 input channels, which XLA:CPU's
 convolutions handle poorly, become convolutions over 4 and 24. On the 2-core

@@ -26,14 +26,14 @@ import gradtools
 from gradtools.demo import Config
 from gradtools.demo import ConfigError
 from gradtools.demo import LeNet5
-from gradtools.demo import data
 from gradtools.demo import train_and_evaluate
-from gradtools.demo.__main__ import main
-from gradtools.demo.__main__ import parser
 from gradtools.demo.checkpoint import Checkpoints
-from gradtools.demo.config import SCHEDULES
-from gradtools.demo.model import count_params
-from gradtools.demo.optim import make_optimizer
+from gradtools.demo.lenet import data
+from gradtools.demo.lenet.__main__ import main
+from gradtools.demo.lenet.__main__ import parser
+from gradtools.demo.lenet.config import SCHEDULES
+from gradtools.demo.lenet.model import count_params
+from gradtools.demo.lenet.optim import make_optimizer
 
 EPOCHS, STEPS_PER_EPOCH = 2, 10
 SETTING = dict(
@@ -267,9 +267,11 @@ def test_bad_data_files_exit_1_naming_the_file(small, tmp_path, capsys, how):
     assert err.count("\n") == 1  # one line, no traceback
 
 
-def test_bad_data_dir_in_a_subprocess_exits_1_without_traceback(tmp_path):
+@pytest.mark.parametrize("module", ["gradtools.demo", "gradtools.demo.lenet"])
+def test_bad_data_dir_in_a_subprocess_exits_1_without_traceback(tmp_path, module):
+    """Both ``python -m gradtools.demo`` and ``python -m gradtools.demo.lenet`` run the demo."""
     proc = subprocess.run(
-        [sys.executable, "-m", "gradtools.demo", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", module, "--data-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -469,11 +471,37 @@ def test_bad_multi_host_options_exit_2_before_jax_starts(monkeypatch, capsys, ar
     assert message in err and "Traceback" not in err
 
 
+def test_every_option_reaches_its_config_field(monkeypatch):
+    configs = []
+    monkeypatch.setattr(
+        sys.modules["gradtools.demo.lenet.__main__"], "train_and_evaluate", configs.append
+    )
+    argv = [
+        "--epochs", "3", "--batch-size", "16", "--accum-steps", "2", "--optimizer", "adam",
+        "--lr", "0.5", "--schedule", "warmup", "--warmup-steps", "7", "--clip-norm", "none",
+        "--loss-scale", "fixed", "--precision", "bf16", "--freeze", "conv1", "--freeze", "fc",
+        "--seed", "9", "--data-dir", "d", "--checkpoint-dir", "c", "--resume", "--eval-only",
+        "--plot", "p.png", "--no-progress", "--verbose",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert configs == [
+        Config(
+            epochs=3, batch_size=16, accum_steps=2, optimizer="adam", lr=0.5, schedule="warmup",
+            warmup_steps=7, clip_norm=None, loss_scale="fixed", precision="bf16",
+            freeze=("conv1", "fc"), seed=9, data_dir="d", checkpoint_dir="c", resume=True,
+            eval_only=True, plot="p.png", progress=False, verbose=True,
+        )
+    ]  # fmt: skip
+    configs.clear()
+    assert main([]) == 0
+    assert configs == [Config()]
+
+
 def test_multi_host_options_initialise_jax_distributed_first(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     monkeypatch.setattr(
-        sys.modules["gradtools.demo.__main__"],
+        sys.modules["gradtools.demo.lenet.__main__"],
         "train_and_evaluate",
         lambda config: calls.append(config),
     )
@@ -639,7 +667,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_bit_identically(
 
 def test_ctrl_c_during_a_step_stops_after_it_and_saves(uninterrupted, small, tmp_path, monkeypatch):
     """The step in flight holds the donated params and state: stopping inside it loses them."""
-    train_module = sys.modules["gradtools.demo.train"]
+    train_module = sys.modules["gradtools.demo.lenet.train"]
     real = train_module._programs
 
     def programs_with_ctrl_c(*args):
@@ -676,7 +704,9 @@ def test_cli_exits_130_on_ctrl_c(monkeypatch):
     def interrupted(config):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sys.modules["gradtools.demo.__main__"], "train_and_evaluate", interrupted)
+    monkeypatch.setattr(
+        sys.modules["gradtools.demo.lenet.__main__"], "train_and_evaluate", interrupted
+    )
     assert main(["--no-progress"]) == 130
 
 
@@ -724,7 +754,7 @@ def test_four_devices_match_one(cli_run, uninterrupted, small):
 @pytest.mark.slow
 def test_verbose_names_the_parameters_whose_gradients_overflowed(capsys):
     """--verbose: a skipped step prints the leaves given an inf, as path_names spells them."""
-    from gradtools.demo.train import _report_skip
+    from gradtools.demo.lenet.train import _report_skip
 
     params = LeNet5().init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))["params"]
     tx = gradtools.dynamic_loss_scale(optax.sgd(0.1))

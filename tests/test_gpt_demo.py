@@ -14,6 +14,7 @@ import math
 import os
 import re
 import signal
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,26 @@ BAD = [
     (["--steps", "0"], 2, "--steps 0: must be an integer >= 1"),
     (["--data-dir", "EMPTY"], 1, "--data-dir EMPTY: no text in *.txt files (1 found)"),
 ]
+
+
+def test_every_option_reaches_its_config_field_and_study_picks_the_study(monkeypatch):
+    cli = sys.modules["gradtools.demo.gpt.__main__"]
+    calls = []
+    monkeypatch.setattr(cli, "train_and_evaluate", lambda c: calls.append(("train", c)))
+    monkeypatch.setattr(study, "run_study", lambda c: calls.append(("study", c)))
+    argv = [
+        "--size", "small", "--precision", "bf16", "--param-dtype", "bf16", "--rounding",
+        "nearest", "--steps", "7", "--seed", "9", "--batch-size", "4", "--accum-steps", "3",
+        "--lr", "0.5", "--data-dir", "d", "--checkpoint-dir", "c", "--resume", "--plot",
+        "p.png", "--no-progress", "--loss-multiplier", "0.25",
+    ]  # fmt: skip
+    assert main(argv) == 0 and main([*argv, "--study"]) == 0 and main([]) == 0
+    want = Config(
+        size="small", precision="bf16", param_dtype="bf16", rounding="nearest", steps=7, seed=9,
+        batch_size=4, accum_steps=3, lr=0.5, data_dir="d", checkpoint_dir="c", resume=True,
+        plot="p.png", progress=False, loss_multiplier=0.25,
+    )  # fmt: skip
+    assert calls == [("train", want), ("study", want), ("train", Config())]
 
 
 @pytest.mark.parametrize(("argv", "code", "message"), BAD, ids=[a[1] for a, _, _ in BAD])

@@ -33,8 +33,8 @@ import sys
 import jax
 import numpy as np
 
-from gradtools.demo import __main__ as cli
-from gradtools.demo import data
+from gradtools.demo.lenet import __main__ as cli
+from gradtools.demo.lenet import data
 
 read, results = [], []
 preprocess, train_and_evaluate = data.preprocess, cli.train_and_evaluate

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-__all__ = ["LENET_PANELS", "Panel", "plot_history"]
+__all__ = ["Panel", "plot_history"]
 
 
 class Panel(NamedTuple):
@@ -27,15 +27,6 @@ class Panel(NamedTuple):
     log: bool = False
 
 
-LENET_PANELS = (
-    Panel(("loss", "train_loss"), "train loss", True),
-    Panel(("test_accuracy",), "test accuracy (%)"),
-    Panel(("learning_rate",), "learning rate"),
-    Panel(("loss_scale",), "loss scale", True),
-    Panel(("grad_norm",), "gradient norm\n(before clipping,\nof the last update)"),
-)
-
-
 def _series(history: dict[str, Any], key: str) -> list[tuple[str, list[Any], list[Any], bool]]:
     """``(name, steps, values, per_step)`` of each series ``key`` stands for."""
     if key.endswith("/"):
@@ -52,9 +43,9 @@ def _series(history: dict[str, Any], key: str) -> list[tuple[str, list[Any], lis
 def plot_history(
     history: dict[str, Any],
     path: str | os.PathLike[str],
-    panels: Sequence[Panel] = LENET_PANELS,
-    title: str = "gradtools LeNet-5 demo",
-    xlabel: str = "step (micro-batches)",
+    panels: Sequence[Panel],
+    title: str,
+    xlabel: str,
 ) -> str:
     """Draws ``history`` against the step and writes it to ``path`` as a PNG.
 

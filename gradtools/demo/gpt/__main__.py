@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gradtools.demo.cli import add_host_options
+from gradtools.demo.cli import parse_config
+from gradtools.demo.cli import run_main
 from gradtools.demo.gpt.config import Config
 from gradtools.demo.gpt.model import DTYPES
 from gradtools.demo.gpt.model import SIZES
 from gradtools.demo.gpt.train import train_and_evaluate
-from gradtools.demo.runtime import add_host_options
-from gradtools.demo.runtime import parse_args
-from gradtools.demo.runtime import run_main
 
 __all__ = ["main", "parser"]
 
@@ -93,24 +93,7 @@ def main(argv: list[str] | None = None) -> int:
       naming the option and value; Ctrl-C exits with 130.
     """
     p = parser()
-    args = parse_args(p, argv)  # and jax.distributed.initialize, before anything else
-    config = Config(
-        size=args.size,
-        precision=args.precision,
-        param_dtype=args.param_dtype,
-        rounding=args.rounding,
-        steps=args.steps,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        accum_steps=args.accum_steps,
-        lr=args.lr,
-        loss_multiplier=args.loss_multiplier,
-        data_dir=args.data_dir,
-        checkpoint_dir=args.checkpoint_dir,
-        resume=args.resume,
-        plot=args.plot,
-        progress=not args.no_progress,
-    )
+    args, config = parse_config(p, argv, Config)  # jax.distributed first, if asked for
     if args.study:
         from gradtools.demo.gpt.study import run_study
 

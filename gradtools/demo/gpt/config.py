@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gradtools.demo.cli import check_run
+from gradtools.demo.errors import ConfigError
 from gradtools.demo.gpt.model import DTYPES
 from gradtools.demo.gpt.model import PARAM_DTYPES
 from gradtools.demo.gpt.model import SIZES
-from gradtools.demo.runtime import ConfigError
-from gradtools.demo.runtime import check_run
 
 __all__ = ["LOSS_SCALES", "ROUNDINGS", "RUN_OPTIONS", "Config", "validate"]
 

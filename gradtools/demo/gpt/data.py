@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gradtools.demo.runtime import DataError
+from gradtools.demo.errors import DataError
 
 __all__ = [
     "DataError",

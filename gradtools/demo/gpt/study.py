@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gradtools.demo.cli import log
 from gradtools.demo.gpt import data
 from gradtools.demo.gpt.config import Config
 from gradtools.demo.gpt.config import validate
@@ -31,7 +32,6 @@ from gradtools.demo.gpt.model import GPT
 from gradtools.demo.gpt.model import SIZES
 from gradtools.demo.gpt.train import loss_fn
 from gradtools.demo.gpt.train import train_and_evaluate
-from gradtools.demo.runtime import log
 
 __all__ = ["RUNS", "Row", "fp16_gradient_zeros", "run_study", "zero_fraction"]
 

@@ -21,7 +21,6 @@ import functools
 import math
 import time
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +28,16 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import gradtools
 from gradtools.demo.checkpoint import Checkpoints
+from gradtools.demo.checkpoint import save
+from gradtools.demo.checkpoint import settings
+from gradtools.demo.cli import log
+from gradtools.demo.distributed import data_parallel
+from gradtools.demo.distributed import describe_devices
+from gradtools.demo.distributed import global_batch
+from gradtools.demo.errors import DataError
 from gradtools.demo.gpt import data
 from gradtools.demo.gpt.config import RUN_OPTIONS
 from gradtools.demo.gpt.config import Config
@@ -44,15 +49,12 @@ from gradtools.demo.gpt.model import SIZES
 from gradtools.demo.gpt.model import Fp8Meta
 from gradtools.demo.gpt.model import count_params
 from gradtools.demo.gpt.optim import make_optimizer
+from gradtools.demo.history import RunResult
+from gradtools.demo.history import record
+from gradtools.demo.interrupt import CtrlC
+from gradtools.demo.interrupt import alive
 from gradtools.demo.plot import Panel
-from gradtools.demo.runtime import CtrlC
-from gradtools.demo.runtime import DataError
-from gradtools.demo.runtime import alive
-from gradtools.demo.runtime import global_batch
-from gradtools.demo.runtime import log
-from gradtools.demo.runtime import record
-from gradtools.demo.runtime import save
-from gradtools.demo.runtime import settings
+from gradtools.demo.plot import plot_history
 
 __all__ = [
     "PANELS",
@@ -75,31 +77,28 @@ PANELS = (
 )
 
 
-class Result(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Result(RunResult):
     """What :func:`train_and_evaluate` returns.
+
+    Its ``step`` counts optimizer updates (the unit of ``--steps``), and its
+    ``history`` holds the metrics of each micro-batch and of the evaluations
+    (``history['eval']``), both ``'step'`` lists counting micro-batches;
+    ``checkpoint`` and ``plot`` are as in :class:`~gradtools.demo.history.RunResult`.
 
     Attributes:
       model: the trained :class:`~gradtools.demo.gpt.model.GPT`.
       optimizer: its :class:`gradtools.Optimizer` (``opt_state``, ``step``).
-      step: optimizer updates trained so far (the unit of ``--steps``).
       val_bits_per_byte: the validation loss in bits per byte, at the end.
       unigram_bits_per_byte: the baseline: the validation bytes' unigram entropy.
       seconds_per_step: wall time per micro-batch, compilation left out.
-      history: the metrics of each micro-batch and the evaluations
-        (``history['eval']``); both ``'step'`` lists count micro-batches.
-      checkpoint: the directory of the last checkpoint written, or ``None``.
-      plot: the PNG written, or ``None``.
     """
 
     model: GPT
     optimizer: Any
-    step: int
     val_bits_per_byte: float
     unigram_bits_per_byte: float
     seconds_per_step: float
-    history: dict[str, Any]
-    checkpoint: str | None
-    plot: str | None
 
 
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
@@ -213,8 +212,7 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
             f"--data-dir {config.data_dir}: {len(text.train) + len(text.valid):,} bytes are too "
             f"few for --size {config.size} (block {block}): the validation tenth needs {block + 2}"
         )
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    replicated, split = data_parallel(devices)
     model, optimizer = create_model(config, replicated)
     step, history = 0, {"step": [], "eval": {"step": [], "val_bits_per_byte": [], "unigram": []}}
     if meta is not None:
@@ -306,7 +304,17 @@ def train_and_evaluate(config: Config, text: data.Text | None = None) -> Result:
     if plot:
         log(f"plot: {plot}")
     log(f"validation bits/byte: {bits:.3f} (unigram baseline: {unigram:.3f})")
-    return Result(model, optimizer, step, bits, unigram, per_step, history, written, plot)
+    return Result(
+        model=model,
+        optimizer=optimizer,
+        val_bits_per_byte=bits,
+        unigram_bits_per_byte=unigram,
+        seconds_per_step=per_step,
+        step=step,
+        history=history,
+        checkpoint=written,
+        plot=plot,
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -363,8 +371,6 @@ def _plot(history: dict[str, Any], config: Config) -> str | None:
     """Plots the run to ``config.plot`` (on process 0), against updates; returns the file."""
     if not config.plot or jax.process_index() != 0:
         return None
-    from gradtools.demo.plot import plot_history
-
     k = config.accum_steps  # the history counts micro-batches
     evals = {**history["eval"], "step": [s / k for s in history["eval"]["step"]]}
     in_updates = {**history, "step": [s / k for s in history["step"]], "eval": evals}
@@ -374,9 +380,7 @@ def _plot(history: dict[str, Any], config: Config) -> str | None:
 
 def _describe(config: Config, model: GPT, text: data.Text, devices: list[Any]) -> str:
     """Two lines on the model, data, devices and optimizer."""
-    k, n, c = config.accum_steps, len(devices), SIZES[config.size]
-    where = f"{n} {devices[0].platform} device{'s' * (n > 1)}"
-    where += f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    k, c, where = config.accum_steps, SIZES[config.size], describe_devices(devices)
     return (
         f"GPT {config.size} ({c.num_layers} layers, {c.num_heads} heads, {c.embed_dim} wide, "
         f"block {c.block_size}), {count_params(model):,} parameters, {config.precision}"

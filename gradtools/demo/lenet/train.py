@@ -3,8 +3,8 @@
 Laid out as flax's ``examples/mnist``: :func:`train_epoch` makes one pass over
 the training digits, :func:`evaluate` measures the test accuracy, and
 :func:`train_and_evaluate` is the whole demo as a library call (the CLI in
-``__main__`` only parses a :class:`~gradtools.demo.config.Config`). The
-optimizer comes from :func:`gradtools.demo.optim.make_optimizer`; the step is
+``__main__`` only parses a :class:`~gradtools.demo.lenet.config.Config`). The
+optimizer comes from :func:`gradtools.demo.lenet.optim.make_optimizer`; the step is
 :func:`gradtools.train_step` under ``jax.jit``.
 
 Training is data-parallel over a one-axis ``jax.sharding.Mesh`` of every
@@ -30,31 +30,43 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import gradtools
-from gradtools.demo import data
 from gradtools.demo.checkpoint import Checkpoints
-from gradtools.demo.config import RUN_OPTIONS
-from gradtools.demo.config import Config
-from gradtools.demo.config import ConfigError
-from gradtools.demo.config import validate
-from gradtools.demo.model import DTYPES
-from gradtools.demo.model import LeNet5
-from gradtools.demo.model import count_params
-from gradtools.demo.optim import make_optimizer
-from gradtools.demo.runtime import CtrlC
-from gradtools.demo.runtime import alive
-from gradtools.demo.runtime import global_batch
-from gradtools.demo.runtime import log
-from gradtools.demo.runtime import record
-from gradtools.demo.runtime import save
-from gradtools.demo.runtime import settings
+from gradtools.demo.checkpoint import save
+from gradtools.demo.checkpoint import settings
+from gradtools.demo.cli import log
+from gradtools.demo.distributed import data_parallel
+from gradtools.demo.distributed import describe_devices
+from gradtools.demo.distributed import global_batch
+from gradtools.demo.errors import ConfigError
+from gradtools.demo.history import RunResult
+from gradtools.demo.history import record
+from gradtools.demo.interrupt import CtrlC
+from gradtools.demo.interrupt import alive
+from gradtools.demo.lenet import data
+from gradtools.demo.lenet.config import RUN_OPTIONS
+from gradtools.demo.lenet.config import Config
+from gradtools.demo.lenet.config import validate
+from gradtools.demo.lenet.model import DTYPES
+from gradtools.demo.lenet.model import LeNet5
+from gradtools.demo.lenet.model import count_params
+from gradtools.demo.lenet.optim import make_optimizer
+from gradtools.demo.plot import Panel
+from gradtools.demo.plot import plot_history
 
-__all__ = ["Result", "TrainState", "evaluate", "train_and_evaluate", "train_epoch"]
+__all__ = ["PANELS", "Result", "TrainState", "evaluate", "train_and_evaluate", "train_epoch"]
 
 # The metrics of each step kept in the history (and so in checkpoints and the plot).
 _RECORDED = ("loss", "learning_rate", "loss_scale", "grad_norm", "skipped_steps")
+#: What ``--plot`` draws, top to bottom.
+PANELS = (
+    Panel(("loss", "train_loss"), "train loss", True),
+    Panel(("test_accuracy",), "test accuracy (%)"),
+    Panel(("learning_rate",), "learning rate"),
+    Panel(("loss_scale",), "loss scale", True),
+    Panel(("grad_norm",), "gradient norm\n(before clipping,\nof the last update)"),
+)
 
 
 class TrainState(NamedTuple):
@@ -71,27 +83,23 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-class Result(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Result(RunResult):
     """What :func:`train_and_evaluate` returns.
+
+    Its ``step`` counts micro-batches, and its ``history`` holds the metrics
+    of each step and of each epoch (``history['epoch']``); ``checkpoint`` and
+    ``plot`` are as in :class:`~gradtools.demo.history.RunResult`.
 
     Attributes:
       params: the trained parameters.
       opt_state: the optimizer state.
-      step: micro-batches trained so far.
       test_accuracy: accuracy on the test digits, in percent.
-      history: per-step and per-epoch metrics (as
-        :func:`gradtools.demo.plot.plot_history` takes them).
-      checkpoint: the directory of the last checkpoint written, or ``None``.
-      plot: the PNG written, or ``None``.
     """
 
     params: Any
     opt_state: Any
-    step: int
     test_accuracy: float
-    history: dict[str, Any]
-    checkpoint: str | None
-    plot: str | None
 
 
 class _Programs(NamedTuple):
@@ -108,8 +116,7 @@ class _Programs(NamedTuple):
 def _programs(config: Config, total_updates: int) -> _Programs:
     """The model, optimizer and jitted step of ``config`` (cached: runs in one process
     share compilations)."""
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[: config.devices]), ("data",))
-    replicated = NamedSharding(mesh, P())
+    replicated, split = data_parallel(jax.devices()[: config.devices])
     model = LeNet5(dtype=DTYPES[config.precision])
     tx = make_optimizer(config, total_updates)
 
@@ -127,7 +134,7 @@ def _programs(config: Config, total_updates: int) -> _Programs:
 
     return _Programs(
         replicated=replicated,
-        split=NamedSharding(mesh, P("data")),
+        split=split,
         init=jax.jit(init, out_shardings=replicated),
         # Scales the loss, takes the gradients, runs the optimizer, applies the updates.
         train_step=jax.jit(
@@ -287,7 +294,15 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
         plot = _plot(history, config.plot)
         if plot:
             log(f"plot: {plot}")
-        return Result(state.params, state.opt_state, state.step, accuracy, history, path, plot)
+        return Result(
+            params=state.params,
+            opt_state=state.opt_state,
+            test_accuracy=accuracy,
+            step=state.step,
+            history=history,
+            checkpoint=path,
+            plot=plot,
+        )
 
     log(_describe(config, state.params, ds, devices))
     stop = total_steps
@@ -353,7 +368,15 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
     if plot:
         log(f"plot: {plot}")
-    return Result(state.params, state.opt_state, state.step, accuracy, history, written, plot)
+    return Result(
+        params=state.params,
+        opt_state=state.opt_state,
+        test_accuracy=accuracy,
+        step=state.step,
+        history=history,
+        checkpoint=written,
+        plot=plot,
+    )
 
 
 # Setting up a run: its settings, and its first state (fresh or from a checkpoint).
@@ -427,9 +450,7 @@ def _plot(history: dict[str, Any], path: str | None) -> str | None:
     """Plots ``history`` to ``path`` (on process 0) and returns the file written."""
     if not path or jax.process_index() != 0:
         return None
-    from gradtools.demo.plot import plot_history
-
-    return plot_history(history, path)
+    return plot_history(history, path, PANELS, "gradtools LeNet-5 demo", "step (micro-batches)")
 
 
 def _report_skip(recorded: list[Any], metrics: Any, step: int, opt_state: Any, params: Any):
@@ -446,7 +467,7 @@ def _report_skip(recorded: list[Any], metrics: Any, step: int, opt_state: Any, p
 
 def _describe(config: Config, params: Any, ds: data.Dataset, devices: list[Any]) -> str:
     """Two lines on the model, data, devices and optimizer."""
-    k, n, hosts = config.accum_steps, len(devices), jax.process_count()
+    k = config.accum_steps
     batch = f"batch {config.batch_size}" + (
         f" x {k} accumulated = {config.batch_size * k} per update" if k > 1 else ""
     )
@@ -455,13 +476,12 @@ def _describe(config: Config, params: Any, ds: data.Dataset, devices: list[Any])
         if config.warmup_steps and config.schedule != "warmup"
         else ""
     )
-    where = f"{n} {devices[0].platform} device{'s' * (n > 1)}"
-    where += f" in {hosts} processes" if hosts > 1 else ""
     frozen = f"; frozen: {', '.join(config.freeze)}" if config.freeze else ""
     return (
         f"LeNet-5, {count_params(params):,} parameters, {config.precision}; "
         f"{ds.source}: {len(ds.train_labels):,} train / {len(ds.test_labels):,} test digits\n"
-        f"{where}; {batch}; {config.optimizer} lr {config.learning_rate:g} ({schedule}); "
+        f"{describe_devices(devices)}; {batch}; "
+        f"{config.optimizer} lr {config.learning_rate:g} ({schedule}); "
         f"clip norm {config.clip_norm or 'off'}; loss scale {config.loss_scale}{frozen}"
     )
 

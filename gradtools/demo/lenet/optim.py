@@ -1,4 +1,4 @@
-"""The gradtools optimizer of a demo run, built from its :class:`Config`.
+"""The gradtools optimizer of a LeNet-5 demo run, built from its :class:`Config`.
 
 Every gradtools transform has its place in the chain::
 
@@ -27,7 +27,7 @@ from typing import Any
 import optax
 
 import gradtools
-from gradtools.demo.config import Config
+from gradtools.demo.lenet.config import Config
 
 __all__ = ["make_optimizer"]
 

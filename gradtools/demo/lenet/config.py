@@ -1,4 +1,4 @@
-"""The demo's settings: one :class:`Config` field per CLI option, and their checks."""
+"""The LeNet-5 demo's settings: one :class:`Config` field per CLI option, and their checks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 import math
 import re
 
-from gradtools.demo.model import DTYPES
-from gradtools.demo.runtime import ConfigError
-from gradtools.demo.runtime import check_run
+from gradtools.demo.cli import check_run
+from gradtools.demo.errors import ConfigError
+from gradtools.demo.lenet.model import DTYPES
 
 __all__ = [
     "LOSS_SCALES",
