@@ -1,7 +1,7 @@
 """The reductions gradtools keeps in a faster form than the obvious one, each for a measured win.
 
-``benchmarks/ANALYSIS.md`` gives the measurements ("Core v2: what each kept
-trick buys"); each form computes exactly what its docstring's plain
+``benchmarks/ANALYSIS.md`` gives the measurements ("What each kept form in
+`gradtools/_tuning.py` buys"); each form computes exactly what its docstring's plain
 expression computes, and each call site says in a sentence why it is used.
 """
 
