@@ -16,7 +16,7 @@ import optax
 __all__ = [
     "FP8_META",
     "hyperparam_states",
-    "is_chain",
+    "chain_members",
     "is_fp8_meta",
     "is_output_grad_meta",
     "is_set_to_zero",
@@ -51,10 +51,19 @@ def is_set_to_zero(tx: Any) -> bool:
     return getattr(getattr(tx, "update", None), "__code__", None) is _SET_TO_ZERO_CODE
 
 
-def is_chain(tx: Any) -> bool:
-    """Whether ``tx`` is an ``optax.chain(...)``: its state is a tuple of its members' states,
-    and its first member receives the chain's own updates."""
-    return getattr(getattr(tx, "update", None), "__code__", None) is _CHAIN_UPDATE
+def chain_members(update: Any) -> tuple[Any, ...] | None:
+    """The update functions of the members of the ``optax.chain`` whose ``update`` is
+    ``update``, in order; ``None`` where ``update`` is no chain's.
+
+    A chain hands its first member its own updates, and each later member what the one
+    before returned. optax keeps the members' update functions in the closure of the
+    chain's own, as ``update_fns``.
+    """
+    code = getattr(update, "__code__", None)
+    if code is None or code is not _CHAIN_UPDATE or "update_fns" not in code.co_freevars:
+        return None
+    cell = update.__closure__[code.co_freevars.index("update_fns")]
+    return tuple(cell.cell_contents)
 
 
 def is_fp8_meta(path: Any, value: Any) -> bool:

@@ -14,7 +14,7 @@ A sender calls ``offer(inner, inner_state, sums)`` and passes what it returns
 to ``inner.update``. In it, the state of a receiver that gets exactly the
 sender's updates (``inner`` itself, or the first member of an
 ``optax.chain``, and the members after a receiver that returns its updates
-unchanged) is an :class:`Offered`. The receiver calls :func:`take`, which
+unchanged, into nested chains too) is an :class:`Offered`. The receiver calls :func:`take`, which
 gives back its own state and the sums, or ``None`` for the sums where nothing
 was offered. A receiver's state class says ``takes_square_sums = True`` (and
 ``updates_unchanged = True`` where its ``update`` returns the updates it was
@@ -51,23 +51,29 @@ def _receives(state: Any) -> bool:
 
 
 def offer(inner: Any, inner_state: Any, sums: list[jax.Array] | None) -> Any:
-    """``inner_state``, with ``sums`` offered to each receiver that gets ``inner``'s updates as
-    they are: ``inner`` itself, or the first member of an ``optax.chain`` and those after it
-    while every member before says ``updates_unchanged``. Else unchanged."""
+    """``inner_state``, with ``sums`` offered to every receiver that gets ``inner``'s updates
+    as they are: ``inner`` itself; in an ``optax.chain``, its first member, and each next one
+    while those before it return their updates unchanged; inside a member that is a chain
+    itself, the same. Every other state is returned as it was."""
     if sums is None:
         return inner_state
-    if _receives(inner_state):
-        return Offered(inner_state, sums)
-    if not (_compat.is_chain(inner) and type(inner_state) is tuple):
-        return inner_state
-    states = list(inner_state)
-    for i, state in enumerate(states):
-        if not _receives(state):
-            break
-        states[i] = Offered(state, sums)
-        if getattr(type(state), "updates_unchanged", False) is not True:
-            break
-    return tuple(states)
+    return _offer(getattr(inner, "update", None), inner_state, sums)[0]
+
+
+def _offer(update: Any, state: Any, sums: list[jax.Array]) -> tuple[Any, bool]:
+    """``(state with the sums offered, whether the transformation whose update is ``update``
+    returns its updates unchanged)``."""
+    if _receives(state):
+        return Offered(state, sums), getattr(type(state), "updates_unchanged", False) is True
+    members = _compat.chain_members(update)
+    if members is None or type(state) is not tuple or len(members) != len(state):
+        return state, False
+    states = list(state)
+    for i, member in enumerate(members):
+        states[i], unchanged = _offer(member, states[i], sums)
+        if not unchanged:
+            return tuple(states), False
+    return tuple(states), True
 
 
 def take(state: Any, updates: Any) -> tuple[Any, list[jax.Array] | None]:

@@ -23,18 +23,29 @@ def test_set_to_zero_is_recognised_and_look_alikes_are_not():
     assert not _compat.is_set_to_zero("frozen")
 
 
-def test_chain_is_recognised_and_other_combinators_are_not():
-    chain = optax.chain(optax.clip(1.0), optax.sgd(0.1))
-    assert _compat.is_chain(chain)
-    assert _compat.is_chain(optax.chain(optax.identity()))
-    assert not _compat.is_chain(optax.named_chain(("a", optax.sgd(0.1))))
-    assert not _compat.is_chain(optax.scale(0.1))
-    assert _compat.is_chain(optax.sgd(0.1))  # optax builds sgd as a chain: a true answer
-    assert not _compat.is_chain(optax.multi_transform({"a": optax.sgd(0.1)}, "a"))
-    # what is_chain promises: a tuple of the members' states, the first one's first
+def test_a_chains_members_are_found_in_order_and_other_combinators_have_none():
+    clip, sgd = optax.clip(1.0), optax.sgd(0.1)
+    chain = optax.chain(clip, sgd)
+    members = _compat.chain_members(chain.update)
+    assert members is not None and len(members) == 2
+    # they are the members' own updates, in order (a GradientTransformation is wrapped to
+    # take extra arguments: its update is then a function that calls the member's)
+    assert members[1] is sgd.update  # optax builds sgd as a chain: extra arguments already
+    updates, _ = members[0]({"w": jnp.full(2, 3.0)}, clip.init({}), None)
+    assert float(updates["w"][0]) == 1.0  # the clip, not the sgd
+    assert _compat.chain_members(members[1]) is not None  # sgd is a chain itself
+    assert len(_compat.chain_members(optax.chain(optax.identity()).update)) == 1
+    for other in (
+        optax.named_chain(("a", optax.sgd(0.1))),
+        optax.scale(0.1),
+        optax.multi_transform({"a": optax.sgd(0.1)}, "a"),
+    ):
+        assert _compat.chain_members(other.update) is None
+    assert _compat.chain_members(None) is None
+    # what a chain's state is: a tuple of the members' states, in their order
     state = chain.init({"w": jnp.ones(2)})
     assert type(state) is tuple and len(state) == 2
-    assert state[0] == optax.clip(1.0).init({"w": jnp.ones(2)})
+    assert state[0] == clip.init({"w": jnp.ones(2)})
 
 
 def test_the_state_of_inject_hyperparams_is_found():
