@@ -5,7 +5,7 @@
 ReLU and 2x2 max pooling as one :class:`ConvReluPool` layer over 2x2 blocks of
 pixels: LeNet-5's convolutions over 1 and 6 input channels, which XLA:CPU's
 convolutions handle poorly, become convolutions over 4 and 24. On the 2-core
-CPU its training step ran about twice as fast as ``nn.Conv``'s (see
+CPU its training step ran about four times as fast as ``nn.Conv``'s (see
 ``benchmarks/ANALYSIS.md``); it measures XLA:CPU's convolutions, not
 gradtools, so the demo keeps plain ``nn.Conv`` and this variant lives here.
 """
