@@ -294,15 +294,7 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
         plot = _plot(history, config.plot)
         if plot:
             log(f"plot: {plot}")
-        return Result(
-            params=state.params,
-            opt_state=state.opt_state,
-            test_accuracy=accuracy,
-            step=state.step,
-            history=history,
-            checkpoint=path,
-            plot=plot,
-        )
+        return _result(state, accuracy, history, path, plot)
 
     log(_describe(config, state.params, ds, devices))
     stop = total_steps
@@ -368,18 +360,25 @@ def train_and_evaluate(config: Config, dataset: data.Dataset | None = None) -> R
     log(f"checkpoint: {written or 'not saved (pass --checkpoint-dir DIR)'}")
     if plot:
         log(f"plot: {plot}")
+    return _result(state, accuracy, history, written, plot)
+
+
+# Setting up a run: its settings, and its first state (fresh or from a checkpoint).
+
+
+def _result(
+    state: TrainState, accuracy: float, history: dict[str, Any], checkpoint, plot
+) -> Result:
+    """The run's :class:`Result`, from its final state."""
     return Result(
         params=state.params,
         opt_state=state.opt_state,
         test_accuracy=accuracy,
         step=state.step,
         history=history,
-        checkpoint=written,
+        checkpoint=checkpoint,
         plot=plot,
     )
-
-
-# Setting up a run: its settings, and its first state (fresh or from a checkpoint).
 
 
 def _steps_per_epoch(config: Config, ds: data.Dataset, meta: dict[str, Any] | None) -> int:
