@@ -11,15 +11,15 @@ parameter-sized temporary (``benchmarks/ANALYSIS.md``, "Loss scaling").
 The sums travel in the receiving transformation's state, never as an
 argument, so a transformation of the user's sees nothing it was not given.
 A sender calls ``offer(inner, inner_state, sums)`` and passes what it returns
-to ``inner.update``. In it, the state of a receiver that gets exactly the
+to ``inner.update``. In it, the state of each receiver that gets exactly the
 sender's updates (``inner`` itself, or the first member of an
 ``optax.chain``, and the members after a receiver that returns its updates
-unchanged, into nested chains too) is an :class:`Offered`. The receiver calls :func:`take`, which
-gives back its own state and the sums, or ``None`` for the sums where nothing
-was offered. A receiver's state class says ``takes_square_sums = True`` (and
-``updates_unchanged = True`` where its ``update`` returns the updates it was
-given, as ``group_norms``' does); its ``update`` returns its own state, never
-an :class:`Offered`.
+unchanged, into nested chains too) is an :class:`Offered`. The receiver calls
+:func:`take`, which gives back its own state and the sums, or ``None`` for
+the sums where nothing was offered. A receiver's state class says
+``takes_square_sums = True`` (and ``updates_unchanged = True`` where its
+``update`` returns the updates it was given, as ``group_norms``' does); its
+``update`` returns its own state, never an :class:`Offered`.
 """
 
 from __future__ import annotations
